@@ -1,0 +1,59 @@
+# The INTELLECT-3 recipe as staged targets. PRESET picks configs/preset/<name>.yaml; ARGS passes hydra
+# overrides to every stage, e.g.  make sft PRESET=tiny ARGS="sft.max_steps=100 sft.lr=1e-3"
+PRESET ?= tiny
+ARGS ?=
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+RUN := $(PY) -m
+OVERRIDES := preset=$(PRESET) $(ARGS)
+
+.PHONY: all setup data base sft rl eval report test bench-rl lock clean help
+.DEFAULT_GOAL := help
+
+help:
+	@echo "make all      data, base, sft, rl, eval on PRESET=$(PRESET), then RESULTS.md"
+	@echo "make test     unit tests and the end-to-end tiny pipeline"
+	@echo "stages: data base sft rl eval report; bench-rl; setup; clean"
+
+all: data base sft rl eval
+
+# A fresh machine gets a virtual environment with the exact, locked CPU environment; the stamp re-runs
+# the install whenever the pins change.
+setup: $(STAMP)
+$(STAMP): pyproject.toml requirements.lock
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade "pip==25.3"
+	$(PY) -m pip install --quiet -r requirements.lock
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+data: setup
+	$(RUN) recipe.data $(OVERRIDES)
+base: data
+	$(RUN) recipe.base $(OVERRIDES)
+sft: base
+	$(RUN) recipe.sft $(OVERRIDES)
+rl: sft
+	$(RUN) recipe.rl $(OVERRIDES)
+eval: rl
+	$(RUN) recipe.eval $(OVERRIDES)
+report: setup
+	$(RUN) recipe.eval.report $(OVERRIDES)
+
+bench-rl: sft
+	$(RUN) recipe.rl.bench $(OVERRIDES)
+
+test: setup
+	$(PY) -m pytest -q -x tests
+
+# Re-resolve the lock from pyproject.toml in a scratch venv (needs the package registry).
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/pip install --quiet "pip==25.3" && .venv-lock/bin/pip install --quiet ".[dev]"
+	.venv-lock/bin/pip freeze --exclude intellect3-recipe | sed 's/+cpu$$//' > requirements.lock
+	rm -rf .venv-lock
+
+clean:
+	rm -rf runs

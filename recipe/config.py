@@ -1,0 +1,221 @@
+"""Typed config schema and composition.
+
+The hydra tree under configs/ is merged into these dataclasses, so an unknown key or a value of the wrong type
+stops with an error that names it, before any stage does work.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from hydra import compose, initialize_config_dir
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+@dataclass
+class TinyArch:
+    """Sizes of the locally built Glm4MoeForCausalLM (the GLM-4.5-Air architecture, scaled down)."""
+
+    vocab_size: int = 512
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    moe_intermediate_size: int = 96
+    n_routed_experts: int = 8
+    num_experts_per_tok: int = 2
+    n_shared_experts: int = 1
+    first_k_dense_replace: int = 1
+    partial_rotary_factor: float = 0.5
+    rope_theta: float = 1_000_000.0
+    attention_bias: bool = True
+    max_position_embeddings: int = 512
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny-glm4moe"
+    # hub_id None means the model is built and pretrained here by `make base` (tiny preset only).
+    hub_id: Optional[str] = None
+    revision: Optional[str] = None
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+    tiny: TinyArch = field(default_factory=TinyArch)
+
+
+@dataclass
+class TaskSpec:
+    """One procedural task of the tiny suite."""
+
+    env: str = "math"
+    task: str = "add"
+    # generator keyword arguments (digits, word lengths, ...)
+    params: Dict[str, Any] = field(default_factory=dict)
+    difficulty: float = 0.0
+
+
+@dataclass
+class HubDataset:
+    id: str = ""
+    revision: str = ""
+    subsets: List[str] = field(default_factory=list)
+    split: str = "train"
+
+
+@dataclass
+class DataConfig:
+    source: str = "tiny"  # tiny | intellect3
+    seed: int = 0
+    # tiny: rows per task per split
+    sft_rows_per_task: int = 2000
+    rl_rows_per_task: int = 1000
+    eval_rows_per_task: int = 100
+    pretrain_rows_per_task: int = 3000
+    tasks: List[TaskSpec] = field(default_factory=list)
+    # intellect3
+    sft_dataset: HubDataset = field(default_factory=HubDataset)
+    rl_dataset: HubDataset = field(default_factory=HubDataset)
+    max_rows: Optional[int] = None  # cap per subset, for smoke runs
+    hub_timeout_s: float = 10.0
+    # offline difficulty filter: prompts whose precomputed pass rate is above this are dropped
+    max_pass_rate: float = 0.874
+    pass_rate_column: str = "avg@8_qwen3_4b_thinking_2507"
+
+
+@dataclass
+class TrainConfig:
+    """Shared by the `base` (pretraining, tiny only) and `sft` stages; both run on TRL's SFTTrainer."""
+
+    max_steps: int = 300
+    batch_size: int = 32
+    grad_accum: int = 1
+    lr: float = 2e-3
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.05
+    scheduler: str = "cosine"
+    max_length: int = 256
+    packing: bool = False
+    save_steps: int = 100
+    save_total_limit: int = 2
+    logging_steps: int = 10
+    bf16: bool = False
+    gradient_checkpointing: bool = False
+    threads: int = 2
+    seed: int = 0
+
+
+@dataclass
+class RLConfig:
+    max_steps: int = 40
+    batch_size: int = 16  # prompts (groups) a step
+    rollouts_per_example: int = 8
+    max_new_tokens: int = 96
+    temperature: float = 1.0
+    optimizer: str = "adamw"  # adamw | muon
+    lr: float = 2e-4
+    weight_decay: float = 0.01
+    max_grad_norm: float = 1.0
+    max_async_level: int = 1
+    max_off_policy_steps: int = 8
+    mask_ratio_low: float = 0.5
+    mask_ratio_high: float = 5.0
+    sequence_mask_low: float = 1e-5
+    checkpoint_every: int = 10
+    keep_checkpoints: int = 2
+    # environment -> weight; empty here so that a preset's mix replaces, not extends, a default one
+    env_mix: Dict[str, float] = field(default_factory=dict)
+    engine: str = "hf"  # hf | vllm
+    gen_batch_size: int = 64  # requests the hf engine generates together
+    gen_threads: int = 1
+    train_threads: int = 1
+    micro_batch_size: int = 64
+    pin_cores: bool = True  # hf engine on core 1, trainer on core 0: generation and training on separate cores
+    # offline filter on rows' precomputed pass rate (the difficulty column of hub data); null = off
+    max_pass_rate: Optional[float] = None
+    # vllm engine (GPU presets)
+    vllm_port: int = 8011
+    vllm_gpu_memory_utilization: float = 0.5
+    vllm_tensor_parallel_size: int = 1
+    vllm_extra_args: List[str] = field(default_factory=list)
+    seed: int = 0
+
+
+@dataclass
+class EvalConfig:
+    checkpoints: List[str] = field(default_factory=lambda: ["base", "sft", "rl"])
+    samples: int = 4  # k of avg@k
+    pass_k: List[int] = field(default_factory=lambda: [1, 4])
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 96
+    batch_size: int = 128
+    max_problems_per_task: Optional[int] = None
+    threads: int = 2
+    seed: int = 1234
+
+
+@dataclass
+class LauncherConfig:
+    kind: str = "local"  # local | slurm
+    nodes: int = 1
+    trainer_nodes: int = 1
+    inference_nodes: int = 0
+    judge_nodes: int = 0
+    gpus_per_node: int = 0
+    inference_tp: int = 1
+    accelerate_config: Optional[str] = None
+    partition: Optional[str] = None
+    time_limit: str = "48:00:00"
+
+
+@dataclass
+class Config:
+    preset: str = "tiny"
+    run_root: str = "runs"
+    seed: int = 0
+    force: bool = False
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    base: TrainConfig = field(default_factory=TrainConfig)
+    sft: TrainConfig = field(default_factory=TrainConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    launcher: LauncherConfig = field(default_factory=LauncherConfig)
+
+
+ConfigStore.instance().store(name="schema", node=Config)
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def load_config(overrides: List[str] | None = None):
+    """Compose configs/config.yaml with `key=value` overrides into a validated, read-only config."""
+    overrides = list(overrides or [])
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            cfg = compose(config_name="config", overrides=overrides)
+    except Exception as e:  # hydra and omegaconf raise several types; all mean "bad config"
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.startswith("full_key")]
+        msg = "; ".join(lines[:2]) or type(e).__name__
+        raise ConfigError(f"config error: {msg}") from None
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def config_hash(cfg, keys: List[str] | None = None) -> str:
+    """sha256 of the resolved config (or of some of its sections), stable across runs."""
+    data = OmegaConf.to_container(cfg, resolve=True)
+    if keys is not None:
+        data = {k: data[k] for k in keys}
+    blob = json.dumps(data, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,0 +1,85 @@
+"""The one row schema that SFT, RL and eval all read (parquet), and its checked reader.
+
+prompt / completion: chat messages {role, content, tool_calls} as in INTELLECT-3-SFT; completion is empty for
+rows that only carry a verifiable task. answer: the reference answer. info: JSON with what the verifier needs
+(task name, reasoning-gym entry, tests). difficulty: a task level (tiny) or a precomputed pass rate (full).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from recipe.runs import StageError, sha256_file, write_atomic
+
+MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.string())])
+SCHEMA = pa.schema([
+    ("id", pa.string()),
+    ("env", pa.string()),
+    ("task", pa.string()),
+    ("split", pa.string()),
+    ("prompt", pa.list_(MESSAGE)),
+    ("completion", pa.list_(MESSAGE)),
+    ("answer", pa.string()),
+    ("info", pa.string()),
+    ("difficulty", pa.float64()),
+    ("tools", pa.string()),
+])
+REQUIRED = [f.name for f in SCHEMA]
+
+
+class DataError(StageError):
+    pass
+
+
+def message(role: str, content: str, tool_calls: str | None = None) -> dict:
+    return {"role": role, "content": content, "tool_calls": tool_calls}
+
+
+def write_rows(rows: list[dict], path: Path) -> str:
+    """Validate rows against the schema and write them atomically; returns the file's sha256."""
+    for i, row in enumerate(rows):
+        missing = [k for k in REQUIRED if k not in row]
+        if missing:
+            raise DataError(f"{path}: row {i} lacks key(s) {missing}")
+    table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    write_atomic(path, sink.getvalue().to_pybytes())
+    return sha256_file(path)
+
+
+def read_rows(path: Path, expected_sha256: str | None = None) -> list[dict]:
+    """Read a data file, naming the file in every error: missing, corrupt, or of another schema."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"data file {path} is missing: run `make data` first")
+    if expected_sha256 is not None and sha256_file(path) != expected_sha256:
+        raise DataError(f"data file {path} does not match its manifest sha256 (corrupt or edited): "
+                        f"rerun `make data ARGS=force=true`")
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises several types for a damaged file
+        raise DataError(f"data file {path} is not readable parquet: {e}") from None
+    missing = [k for k in REQUIRED if k not in table.column_names]
+    if missing:
+        raise DataError(f"data file {path} lacks column(s) {missing}")
+    return table.to_pylist()
+
+
+def read_split(data_dir: Path, split: str) -> list[dict]:
+    """Read one split through the data manifest, so that a corrupt file is caught before it is trained on."""
+    data_dir = Path(data_dir)
+    manifest_path = data_dir / "data_manifest.json"
+    if not manifest_path.exists():
+        raise DataError(f"{manifest_path} is missing: run `make data` first")
+    try:
+        files = json.loads(manifest_path.read_text())["files"]
+    except (json.JSONDecodeError, KeyError) as e:
+        raise DataError(f"{manifest_path} is corrupt ({e}): rerun `make data ARGS=force=true`") from None
+    name = f"{split}.parquet"
+    if name not in files:
+        raise DataError(f"{manifest_path} lists no split '{split}' (has {sorted(files)})")
+    return read_rows(data_dir / name, files[name]["sha256"])

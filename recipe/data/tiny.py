@@ -1,0 +1,149 @@
+"""The tiny suite: procedural tasks with short reasoning traces, split by a hash of the prompt.
+
+Each task yields (question, answer, trace, entry). SFT completions are "<think>\ntrace\n</think>\nanswer"; the
+pretraining corpus shows the same domain as plain text without the chat format, so the base model knows the
+domain but not the format.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import warnings
+
+from recipe.data.schema import DataError, message
+from recipe.envs.math import INSTRUCTION as MATH_INSTRUCTION
+
+SPLIT_BUCKETS = {"eval": range(0, 2), "rl": range(2, 6), "sft": range(6, 20)}  # of 20 buckets
+
+
+def split_of(prompt_text: str) -> str:
+    """Split from a hash of the prompt: the same prompt always lands in the same split, so splits never overlap."""
+    bucket = int(hashlib.sha256(prompt_text.encode()).hexdigest(), 16) % 20
+    return next(name for name, b in SPLIT_BUCKETS.items() if bucket in b)
+
+
+def gen_add(rng: random.Random, min_digits: int = 2, max_digits: int = 4):
+    """a + b with a column-by-column trace (units first, carries explicit)."""
+    digits = rng.randint(min_digits, max_digits)
+    a, b = (rng.randint(10 ** (digits - 1), 10**digits - 1) for _ in range(2))
+    sa, sb = str(a)[::-1], str(b)[::-1]
+    carry, steps = 0, []
+    for i in range(digits):
+        s = int(sa[i]) + int(sb[i]) + carry
+        steps.append(f"{sa[i]}+{sb[i]}" + (f"+{carry}" if carry else "") + f"={s}")
+        carry = s // 10
+    trace = " ".join(steps) + f" so {a + b}"
+    entry = {"question": f"What is {a} + {b}?", "answer": str(a + b), "metadata": {"digits": digits}}
+    return entry["question"], str(a + b), trace, entry, float(digits)
+
+
+def _rg_entries(name: str, size: int, seed: int, params: dict):
+    import reasoning_gym
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return reasoning_gym.create_dataset(name, size=size, seed=seed, **params)
+
+
+def trace_chain_sum(entry) -> str:
+    tokens = entry["metadata"]["expression"].split()
+    acc, steps = int(tokens[0]), []
+    for op, num in zip(tokens[1::2], tokens[2::2]):
+        new = acc + int(num) if op == "+" else acc - int(num)
+        steps.append(f"{acc}{op}{num}={new}")
+        acc = new
+    return " ".join(steps)
+
+
+def trace_spell_backward(entry) -> str:
+    word = entry["metadata"]["word"]
+    return " ".join(word) + " reversed: " + " ".join(reversed(word))
+
+
+def trace_letter_counting(entry) -> str:
+    letter = entry["metadata"]["target_letter"]
+    parts = [f"{w}:{w.lower().count(letter)}" for w in entry["metadata"]["span"]]
+    return " ".join(parts) + f" total {entry['answer']}"
+
+
+def trace_leg_counting(entry) -> str:
+    from reasoning_gym.arithmetic.leg_counting import ANIMALS
+
+    parts, total = [], 0
+    for animal, count in entry["metadata"]["animals"].items():
+        legs = ANIMALS[animal]
+        parts.append(f"{count} {animal}: {count}*{legs}={count * legs}")
+        total += count * legs
+    return " ".join(parts) + f" total {total}"
+
+
+RG_TRACES = {"chain_sum": trace_chain_sum, "spell_backward": trace_spell_backward,
+             "letter_counting": trace_letter_counting, "leg_counting": trace_leg_counting}
+RG_DIFFICULTY = {"chain_sum": lambda m: m["num_terms"] + m["num_digits"], "spell_backward": lambda m: m["word_len"],
+                 "letter_counting": lambda m: m["span_length"], "leg_counting": lambda m: m["num_animals"]}
+
+
+def task_items(spec, n: int, seed: int):
+    """n items of one task, as (question, answer, trace, entry, difficulty)."""
+    params = dict(spec.params)
+    if spec.task == "add":
+        rng = random.Random(f"{seed}-add")
+        return [gen_add(rng, **params) for _ in range(n)]
+    if spec.task not in RG_TRACES:
+        raise DataError(f"tiny data: unknown task '{spec.task}' (known: add, {', '.join(RG_TRACES)})")
+    items = []
+    for entry in _rg_entries(spec.task, n, seed, params):
+        entry = {"question": entry["question"], "answer": entry["answer"],
+                 "metadata": json.loads(json.dumps(entry["metadata"], default=list))}
+        diff = float(RG_DIFFICULTY[spec.task](entry["metadata"]))
+        items.append((entry["question"], entry["answer"], RG_TRACES[spec.task](entry), entry, diff))
+    return items
+
+
+def prompt_text(env: str, question: str) -> str:
+    return f"{MATH_INSTRUCTION}\n{question}" if env == "math" else question
+
+
+def answer_text(env: str, answer: str) -> str:
+    return f"\\boxed{{{answer}}}" if env == "math" else answer
+
+
+def build_tiny(data_cfg) -> dict[str, list[dict]]:
+    """Rows for every split: sft, rl, eval (schema rows) and pretrain (plain text rows)."""
+    want = {"sft": data_cfg.sft_rows_per_task, "rl": data_cfg.rl_rows_per_task, "eval": data_cfg.eval_rows_per_task}
+    out = {"sft": [], "rl": [], "eval": [], "pretrain": []}
+    for t_idx, spec in enumerate(data_cfg.tasks):
+        # draw a pool large enough that the smallest split fills up (eval holds 2 of 20 buckets)
+        pool_size = max(14 * want["eval"], 3 * (want["sft"] + want["rl"] + want["eval"]))
+        pool = task_items(spec, pool_size, data_cfg.seed * 1000 + t_idx)
+        seen, by_split = set(), {"sft": [], "rl": [], "eval": []}
+        for question, answer, trace, entry, diff in pool:
+            text = prompt_text(spec.env, question)
+            if text in seen:
+                continue
+            seen.add(text)
+            split = split_of(text)
+            if len(by_split[split]) >= want[split]:
+                if split == "sft" and len(out["pretrain"]) < data_cfg.pretrain_rows_per_task * (t_idx + 1):
+                    out["pretrain"].append({"text": f"{question}\n{trace}\n{answer}"})
+                continue
+            row = {
+                "id": f"{spec.task}-{hashlib.sha256(text.encode()).hexdigest()[:12]}",
+                "env": spec.env, "task": spec.task, "split": split,
+                "prompt": [message("user", text)],
+                "completion": [message("assistant", f"<think>\n{trace}\n</think>\n{answer_text(spec.env, answer)}")]
+                if split == "sft" else [],
+                "answer": answer,
+                "info": json.dumps({"task": spec.task, "entry": entry}, sort_keys=True),
+                "difficulty": diff, "tools": "[]",
+            }
+            by_split[split].append(row)
+            if split == "sft" and len(out["pretrain"]) < data_cfg.pretrain_rows_per_task * (t_idx + 1):
+                out["pretrain"].append({"text": f"{question}\n{trace}\n{answer}"})
+        for split, rows in by_split.items():
+            if len(rows) < want[split]:
+                raise DataError(f"tiny data: task '{spec.task}' has only {len(rows)} distinct {split} prompts "
+                                 f"(asked for {want[split]}): widen its params or ask for fewer rows")
+            out[split].extend(rows)
+    return out

@@ -1,0 +1,51 @@
+"""The environment interface.
+
+An environment turns a schema row into a prompt, parses the final answer out of a completion (the text after
+</think>), and scores it with a rubric: weighted reward functions whose weighted sum is the reward. A reward
+function that raises is caught, counted and reported; it never stops a run.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+log = logging.getLogger(__name__)
+THINK_END = "</think>"
+
+
+def parse_final_answer(completion: str) -> str | None:
+    """The answer is what follows the last </think>. No </think>: the model did not follow the format."""
+    if THINK_END not in completion:
+        return None
+    return completion.rsplit(THINK_END, 1)[1].strip()
+
+
+@dataclass
+class RewardResult:
+    reward: float
+    metrics: dict = field(default_factory=dict)
+    errors: list = field(default_factory=list)
+
+
+class Environment:
+    name = "base"
+    # the rubric: (name, function(answer, row) -> float, weight)
+    rubric: list[tuple[str, Callable, float]] = []
+
+    def prompt(self, row: dict) -> list[dict]:
+        return [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
+
+    def score(self, completion: str, row: dict) -> RewardResult:
+        answer = parse_final_answer(completion)
+        metrics, errors, total = {"formatted": float(answer is not None)}, [], 0.0
+        for name, fn, weight in self.rubric:
+            try:
+                value = float(fn(answer, row)) if answer is not None else 0.0
+            except Exception as e:  # a verifier bug must cost one sample, not the run
+                log.warning("reward function %s.%s failed: %s", self.name, name, e)
+                errors.append(f"{name}: {type(e).__name__}: {e}")
+                value = 0.0
+            metrics[name] = value
+            total += weight * value
+        return RewardResult(reward=total, metrics=metrics, errors=errors)

@@ -1,0 +1,30 @@
+"""Math: answers graded by math-verify against the reference, as INTELLECT-3's math environment does."""
+from __future__ import annotations
+
+import threading
+
+from math_verify import parse, verify
+
+from recipe.envs.base import Environment
+
+# The instruction INTELLECT-3's math environment puts before each question.
+INSTRUCTION = "Solve the following math problem. Explain your reasoning and put the final answer in \\boxed{}."
+
+
+def _timeouts():
+    # math-verify's timeouts use SIGALRM, which only the main thread may set.
+    return 5 if threading.current_thread() is threading.main_thread() else None
+
+
+def math_correct(answer: str, row: dict) -> float:
+    t = _timeouts()
+    gold = parse(f"\\boxed{{{row['answer']}}}", parsing_timeout=t)
+    pred = parse(answer if "\\boxed" in answer else f"\\boxed{{{answer}}}", parsing_timeout=t)
+    if not gold or not pred:
+        return 0.0
+    return float(verify(gold, pred, timeout_seconds=t))
+
+
+class MathEnv(Environment):
+    name = "math"
+    rubric = [("correct", math_correct, 1.0)]

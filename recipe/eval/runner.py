@@ -1,0 +1,84 @@
+"""The eval runner: k samples a problem on any engine, scored by the problem's environment.
+
+Resumable per problem: every finished problem's samples are appended to samples.jsonl (completion, score and
+reason), and a rerun skips the problems already there.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tqdm import tqdm
+
+from recipe.envs import get_env
+from recipe.envs.base import parse_final_answer
+from recipe.eval.metrics import breakdown
+from recipe.inference import SamplingParams
+from recipe.model import encode_prompt
+
+
+def _reason(completion, reward: float, finish: str, errors: list) -> str:
+    if errors:
+        return "verifier error: " + "; ".join(errors)
+    if parse_final_answer(completion) is None:
+        return "no </think>: truncated" if finish == "length" else "no </think>: format not followed"
+    return "correct" if reward >= 1.0 else "wrong answer"
+
+
+def load_done(path: Path, k: int) -> dict[str, list[dict]]:
+    """Samples already written, by problem id; a problem counts only with all k samples (a kill mid-write)."""
+    done: dict[str, list[dict]] = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill
+            done.setdefault(rec["id"], []).append(rec)
+    return {pid: recs for pid, recs in done.items() if len(recs) >= k}
+
+
+def evaluate(engine, tokenizer, rows: list[dict], eval_cfg, out_dir: Path, desc: str = "eval") -> dict:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    samples_path = out_dir / "samples.jsonl"
+    k = eval_cfg.samples
+    done = load_done(samples_path, k)
+    # rewrite only complete problems, so partial lines from a killed run do not linger
+    with open(samples_path, "w") as f:
+        for recs in done.values():
+            f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in recs[:k])
+    todo = [r for r in rows if r["id"] not in done]
+    per_chunk = max(1, eval_cfg.batch_size // k)
+    bar = tqdm(total=len(rows), initial=len(rows) - len(todo), desc=desc, unit="problem")
+    for start in range(0, len(todo), per_chunk):
+        chunk = todo[start:start + per_chunk]
+        prompts = [encode_prompt(tokenizer, r["prompt"]) for r in chunk for _ in range(k)]
+        params = SamplingParams(max_new_tokens=eval_cfg.max_new_tokens, temperature=eval_cfg.temperature,
+                                top_p=eval_cfg.top_p, seed=eval_cfg.seed + len(rows) - len(todo) + start)
+        completions = engine.generate(prompts, params)
+        lines = []
+        for i, row in enumerate(chunk):
+            env = get_env(row["env"])
+            for s in range(k):
+                c = completions[i * k + s]
+                text = tokenizer.decode(c.token_ids, skip_special_tokens=False)
+                text = text.split("<|endoftext|>")[0]
+                res = env.score(text, row)
+                lines.append({"id": row["id"], "env": row["env"], "task": row["task"], "sample": s,
+                              "completion": text, "score": res.reward, "tokens": len(c.token_ids),
+                              "reason": _reason(text, res.reward, c.finish_reason, res.errors)})
+        with open(samples_path, "a") as f:
+            f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in lines)
+        bar.update(len(chunk))
+    bar.close()
+    return results_from_samples(samples_path, rows, eval_cfg)
+
+
+def results_from_samples(samples_path: Path, rows: list[dict], eval_cfg) -> dict:
+    done = load_done(samples_path, eval_cfg.samples)
+    records = [{"env": r["env"], "task": r["task"], "scores": [s["score"] for s in
+                sorted(done[r["id"]], key=lambda s: s["sample"])][:eval_cfg.samples]} for r in rows]
+    out = breakdown(records, list(eval_cfg.pass_k))
+    tokens = [s["tokens"] for recs in done.values() for s in recs]
+    out["mean_completion_tokens"] = sum(tokens) / max(1, len(tokens))
+    return out

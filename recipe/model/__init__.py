@@ -1,0 +1,118 @@
+"""Model and tokenizer factory.
+
+tiny: a byte-level BPE tokenizer trained here (digits split into single tokens, GLM-4.5's chat tokens) and a
+Glm4MoeForCausalLM of about a million parameters. Real presets: the hub model id at a pinned revision.
+"""
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+from recipe.runs import StageError
+
+# GLM-4.5's chat tokens; a turn ends where the next role token (or end of text) begins.
+SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+                  "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
+STOP_TOKENS = ["<|endoftext|>", "<|user|>", "<|observation|>"]
+# Same shape as GLM-4.5's template: [gMASK]<sop>, then <|role|>\ncontent per message. The assistant turn is
+# closed by <|endoftext|> so that a model trained on single-turn data learns where to stop.
+CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{%- for m in messages -%}"
+    "<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{%- if m['role'] == 'assistant' -%}<|endoftext|>{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}<|assistant|>\n{% endif -%}"
+)
+
+
+def build_tokenizer(texts, vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    # single-digit tokens: arithmetic over multi-digit tokens is much harder for a small model to learn
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>",
+                                   chat_template=CHAT_TEMPLATE, padding_side="left",
+                                   model_max_length=100_000)
+
+
+def build_tiny_model(arch, tokenizer, seed: int = 0):
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    torch.manual_seed(seed)
+    config = Glm4MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_hidden_layers, num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
+        moe_intermediate_size=arch.moe_intermediate_size, n_routed_experts=arch.n_routed_experts,
+        num_experts_per_tok=arch.num_experts_per_tok, n_shared_experts=arch.n_shared_experts,
+        first_k_dense_replace=arch.first_k_dense_replace, max_position_embeddings=arch.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": arch.rope_theta,
+                         "partial_rotary_factor": arch.partial_rotary_factor},
+        attention_bias=arch.attention_bias, norm_topk_prob=True, tie_word_embeddings=False, use_qk_norm=False,
+        num_mtp_layers=0,  # the MTP layer is not used for training in this recipe
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids(tokenizer),
+    )
+    model = Glm4MoeForCausalLM(config)
+    model.generation_config.eos_token_id = stop_token_ids(tokenizer)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def stop_token_ids(tokenizer) -> list[int]:
+    ids = [tokenizer.convert_tokens_to_ids(t) for t in STOP_TOKENS]
+    return [i for i in ids if i is not None and i != tokenizer.unk_token_id]
+
+
+def hub_reachable(timeout: float = 5.0) -> bool:
+    if os.environ.get("HF_HUB_OFFLINE") == "1":
+        return False
+    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
+    try:
+        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def load_pretrained(path_or_id: str, revision: str | None = None, dtype: str = "float32",
+                    attn_implementation: str = "sdpa"):
+    """Load model and tokenizer from a local folder, or from the hub at a pinned revision (clear error offline)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    local = Path(path_or_id).exists()
+    if not local:
+        if not revision:
+            raise StageError(f"model {path_or_id}: no revision given; every hub reference must be pinned")
+        offline = not hub_reachable()
+        kwargs = {"revision": revision, "local_files_only": offline}
+    else:
+        kwargs = {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path_or_id, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=getattr(torch, dtype),
+                                                     attn_implementation=attn_implementation, **kwargs)
+    except OSError as e:
+        where = "the local folder" if local else f"the hub at revision {revision} (hub reachable: {not offline})"
+        raise StageError(f"cannot load model {path_or_id} from {where}: {str(e).splitlines()[0]}") from None
+    return model, tokenizer
+
+
+def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Chat-template the messages with the generation prompt and return token ids."""
+    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
+    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)

@@ -1,0 +1,79 @@
+"""`make bench-rl`: asynchronous RL (max_async_level 1 and 2) against the synchronous baseline (level 0).
+
+Same SFT start, seeds, steps and so the same sample budget; generation and training on separate cores in every
+run. Reports steps per hour of each level, its ratio to level 0, and the reward at equal samples (mean training
+reward over the second half of the run, and held-out avg@k of the final policy). Results go to
+runs/<preset>/bench/rl.json and into the performance section of RESULTS.md.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+from omegaconf import OmegaConf
+
+from recipe.runs import require_done, stage_dir, stage_main, write_atomic
+
+LEVELS = (0, 1, 2)
+
+
+def bench_level(cfg, level: int, out_dir, eval_rows):
+    import torch
+
+    from recipe.eval.runner import evaluate
+    from recipe.inference.hf import HFEngine
+    from recipe.rl.__main__ import run_rl
+
+    run_cfg = OmegaConf.merge(cfg, {"rl": {"max_async_level": level}})
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    t0 = time.perf_counter()
+    model_dir = run_rl(run_cfg, out_dir, require_done(cfg, "sft") / "model")
+    wall = time.perf_counter() - t0
+    records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    half = records[len(records) // 2:]
+    step_s = [r["step_s"] for r in records[1:]]  # step 1 includes the engine's first fill
+    torch.set_num_threads(cfg.eval.threads)
+    engine = HFEngine.from_pretrained(str(model_dir), batch_size=cfg.eval.batch_size)
+    held_out = evaluate(engine, engine.tokenizer, eval_rows, cfg.eval, out_dir / "eval", desc=f"eval level {level}")
+    return {
+        "max_async_level": level,
+        "steps": len(records),
+        "samples": len(records) * cfg.rl.batch_size * cfg.rl.rollouts_per_example,
+        "wall_s": wall,
+        "mean_step_s": sum(step_s) / len(step_s),
+        "steps_per_hour": 3600 / (sum(step_s) / len(step_s)),
+        "reward_second_half": sum(r["reward"] for r in half) / len(half),
+        "held_out_avg": held_out["overall"]["avg"],
+        "mean_gen_busy_s": sum(r["gen_busy_s"] for r in records) / len(records),
+        "mean_train_s": sum(r["train_s"] for r in records) / len(records),
+        "staleness": {k: sum(r["staleness"].get(k, 0) for r in records)
+                      for k in sorted({k for r in records for k in r["staleness"]})},
+    }
+
+
+@stage_main
+def main(cfg):
+    from recipe.data.schema import read_split
+    from recipe.eval.report import write_report
+    from recipe.runs import provenance
+
+    rows = read_split(require_done(cfg, "data"), "eval")
+    bench_dir = stage_dir(cfg, "bench")
+    started = time.time()
+    results = [bench_level(cfg, level, bench_dir / f"async{level}", rows) for level in LEVELS]
+    base = results[0]
+    for r in results:
+        r["speedup_vs_sync"] = r["steps_per_hour"] / base["steps_per_hour"]
+        print(f"bench-rl: level {r['max_async_level']}: {r['steps_per_hour']:.0f} steps/h "
+              f"(x{r['speedup_vs_sync']:.2f} of sync), reward {r['reward_second_half']:.3f}, "
+              f"held-out {r['held_out_avg']:.3f}")
+    out = {"results": results, "command": f"make bench-rl PRESET={cfg.preset}",
+           "provenance": provenance(cfg, "bench-rl", "", started, inputs={}, outputs={})}
+    write_atomic(bench_dir / "rl.json", json.dumps(out, indent=2, sort_keys=True))
+    write_report(cfg)
+
+
+if __name__ == "__main__":
+    main()

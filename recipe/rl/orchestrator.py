@@ -1,0 +1,234 @@
+"""The orchestrator: keeps groups of rollouts in flight on the engine and hands the trainer scored batches.
+
+- Continuous batching: a group (rollouts_per_example samples of one prompt) is submitted as soon as there is
+  room, and each finished group makes room for the next.
+- Every completion carries the policy version that wrote it. The batch for trainer step s only takes groups
+  written by version >= s - max_async_level; older ones are dropped and counted as stale.
+  max_async_level=0 is the synchronous baseline: nothing is submitted ahead of the weights it must use.
+- Filters: offline, rows whose precomputed pass rate is above max_pass_rate never enter; online, groups whose
+  rewards are all equal (all 0 or all 1) carry no signal and are dropped.
+- Advantage = reward - mean reward of the group (no division by the std).
+"""
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+from recipe.envs import get_env
+from recipe.inference import Completion, SamplingParams
+from recipe.inference.worker import Request
+from recipe.model import encode_prompt
+
+
+@dataclass
+class Group:
+    gid: int
+    row: dict
+    prompt_ids: list[int]
+    submitted_version: int
+    completions: dict = field(default_factory=dict)  # sample index -> Completion
+    rewards: list = field(default_factory=list)
+    texts: list = field(default_factory=list)
+
+    @property
+    def version(self) -> int:
+        """The oldest policy that wrote any of its samples."""
+        return min(c.policy_version for c in self.completions.values())
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    loss_mask: list[int]
+    advantage: float
+    reward: float
+    policy_version: int
+    env: str
+
+
+def offline_filter(rows: list[dict], max_pass_rate: float | None) -> tuple[list[dict], int]:
+    """Drop prompts that a reference model already solves too often (difficulty holds that pass rate)."""
+    if max_pass_rate is None:
+        return rows, 0
+    kept = [r for r in rows if r["difficulty"] <= max_pass_rate]
+    return kept, len(rows) - len(kept)
+
+
+class Orchestrator:
+    def __init__(self, rows: list[dict], tokenizer, rl_cfg, engine, seed: int, max_pass_rate: float | None = None):
+        self.cfg = rl_cfg
+        self.engine = engine
+        self.tokenizer = tokenizer
+        rows, self.offline_dropped = offline_filter(rows, max_pass_rate)
+        self.rows = {}
+        for r in rows:
+            self.rows.setdefault(r["env"], []).append(r)
+        unknown = sorted(set(rl_cfg.env_mix) - set(self.rows))
+        if unknown:
+            raise ValueError(f"rl.env_mix names environment(s) {unknown} with no RL rows (have {sorted(self.rows)})")
+        self.envs = {name: get_env(name) for name in self.rows}
+        self.mix = [(e, w) for e, w in rl_cfg.env_mix.items() if w > 0]
+        self.rng = random.Random(seed)
+        self.cursor = {e: 0 for e in self.rows}
+        self.order = {e: self._shuffled(e, 0) for e in self.rows}
+        self.epoch = {e: 0 for e in self.rows}
+        self.next_gid = 0
+        self.next_rid = 0
+        self.inflight: dict[int, Group] = {}
+        self.requests: dict[int, tuple[int, int]] = {}  # request id -> (group id, sample index)
+        self.ready: deque[Group] = deque()
+        self.counters = Counter()
+        self.gen_busy_s = 0.0
+        self._last_filtered: list[Group] = []
+
+    # -- prompts -------------------------------------------------------------------------------------------
+    def _shuffled(self, env: str, epoch: int) -> list[int]:
+        order = list(range(len(self.rows[env])))
+        random.Random(f"{self.cfg.seed}-{env}-{epoch}").shuffle(order)
+        return order
+
+    def _next_row(self) -> dict:
+        env = self.rng.choices([e for e, _ in self.mix], weights=[w for _, w in self.mix])[0]
+        if self.cursor[env] >= len(self.order[env]):  # a new epoch over this environment's prompts
+            self.epoch[env] += 1
+            self.order[env] = self._shuffled(env, self.epoch[env])
+            self.cursor[env] = 0
+        row = self.rows[env][self.order[env][self.cursor[env]]]
+        self.cursor[env] += 1
+        return row
+
+    def state_dict(self) -> dict:
+        return {"cursor": self.cursor, "epoch": self.epoch, "rng": self.rng.getstate(), "next_gid": self.next_gid,
+                "counters": dict(self.counters)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cursor, self.epoch = dict(state["cursor"]), dict(state["epoch"])
+        self.order = {e: self._shuffled(e, self.epoch[e]) for e in self.rows}
+        rng_state = state["rng"]
+        self.rng.setstate((rng_state[0], tuple(rng_state[1]), rng_state[2]))
+        self.next_gid = state["next_gid"]
+        self.counters = Counter(state["counters"])
+
+    # -- scheduling ----------------------------------------------------------------------------------------
+    def _params(self, gid: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
+                              top_p=1.0, seed=self.cfg.seed * 1_000_003 + gid)
+
+    def _submit(self, group: Group, samples: list[int]) -> None:
+        reqs = []
+        for s in samples:
+            self.requests[self.next_rid] = (group.gid, s)
+            reqs.append(Request(self.next_rid, group.prompt_ids, self._params(group.gid * 1000 + s),
+                                self.engine.policy_version))
+            self.next_rid += 1
+        self.engine.submit(reqs)
+
+    def _submit_new_group(self) -> None:
+        row = self._next_row()
+        g = Group(self.next_gid, row, encode_prompt(self.tokenizer, row["prompt"]), self.engine.policy_version)
+        self.next_gid += 1
+        self.inflight[g.gid] = g
+        self._submit(g, list(range(self.cfg.rollouts_per_example)))
+        self.counters["groups_submitted"] += 1
+
+    def _top_up(self, need: int) -> None:
+        """Keep `need` groups for the current batch plus max_async_level batches ahead in flight or ready.
+
+        With max_async_level=0 nothing runs ahead: the next batch is submitted only after the weights it must
+        be sampled with have been sent to the engine.
+        """
+        target = need + self.cfg.batch_size * self.cfg.max_async_level
+        while len(self.inflight) + len(self.ready) < target:
+            self._submit_new_group()
+
+    def _on_event(self, event) -> None:
+        kind = event[0]
+        if kind == "done":
+            self.gen_busy_s += event[2]
+            for rid, completion in event[1]:
+                gid, s = self.requests.pop(rid)
+                group = self.inflight[gid]
+                group.completions[s] = completion
+                if len(group.completions) == self.cfg.rollouts_per_example:
+                    del self.inflight[gid]
+                    self._score(group)
+        elif kind == "cancelled":  # too stale on the engine: reschedule the same samples
+            by_group: dict[int, list[int]] = {}
+            for rid in event[1]:
+                gid, s = self.requests.pop(rid)
+                by_group.setdefault(gid, []).append(s)
+            for gid, samples in by_group.items():
+                self.counters["requests_cancelled"] += len(samples)
+                self._submit(self.inflight[gid], samples)
+
+    def _score(self, group: Group) -> None:
+        env = self.envs[group.row["env"]]
+        for s in range(self.cfg.rollouts_per_example):
+            c: Completion = group.completions[s]
+            text = self.tokenizer.decode(c.token_ids, skip_special_tokens=False).split("<|endoftext|>")[0]
+            res = env.score(text, group.row)
+            if res.errors:
+                self.counters["reward_errors"] += len(res.errors)
+            group.rewards.append(res.reward)
+        if len(set(group.rewards)) == 1:  # no signal: every sample got the same reward
+            self.counters["filtered_all_correct" if group.rewards[0] >= 1 else "filtered_all_wrong"] += 1
+            self.counters["rollouts_filtered"] += len(group.rewards)
+            self._last_filtered.append(group)
+            return
+        self.ready.append(group)
+
+    def next_batch(self, step: int) -> tuple[list[Sample], dict]:
+        """Block until batch_size usable groups exist for trainer step `step`; returns samples and stats."""
+        t0 = time.perf_counter()
+        min_version = step - self.cfg.max_async_level
+        batch: list[Group] = []
+        self._last_filtered: list[Group] = []
+        counters_before = Counter(self.counters)
+        busy_before = self.gen_busy_s
+        while len(batch) < self.cfg.batch_size:
+            while self.ready and len(batch) < self.cfg.batch_size:
+                g = self.ready.popleft()
+                if g.version < min_version:
+                    self.counters["groups_stale"] += 1
+                else:
+                    batch.append(g)
+            if len(batch) == self.cfg.batch_size:
+                break
+            self._top_up(self.cfg.batch_size - len(batch))
+            event = self.engine.poll(timeout=600)
+            if event is None:
+                raise RuntimeError("rl: the engine produced nothing for 600 s")
+            self._on_event(event)
+        self._top_up(0)  # the next batches' groups generate while the trainer works on this one
+        samples = []
+        for g in batch:
+            mean = sum(g.rewards) / len(g.rewards)
+            for s in range(self.cfg.rollouts_per_example):
+                c = g.completions[s]
+                samples.append(Sample(g.prompt_ids, c.token_ids, c.logprobs, [1] * len(c.token_ids),
+                                      g.rewards[s] - mean, g.rewards[s], c.policy_version, g.row["env"]))
+        delta = self.counters - counters_before
+        all_groups = batch + self._last_filtered
+        all_rewards = [r for g in all_groups for r in g.rewards]
+        stats = {
+            "wait_s": time.perf_counter() - t0,
+            "gen_busy_s": self.gen_busy_s - busy_before,
+            "reward": sum(all_rewards) / len(all_rewards),
+            "pass_rate": sum(r >= 1 for r in all_rewards) / len(all_rewards),
+            "filtered_groups": delta["filtered_all_correct"] + delta["filtered_all_wrong"],
+            "filtered_all_correct": delta["filtered_all_correct"],
+            "filtered_all_wrong": delta["filtered_all_wrong"],
+            "stale_groups": delta["groups_stale"],
+            "cancelled_requests": delta["requests_cancelled"],
+            "reward_errors": delta["reward_errors"],
+            "staleness": dict(sorted(Counter(step - s.policy_version for s in samples).items())),
+            "reward_by_env": {e: sum(g.rewards[i] for g in all_groups if g.row["env"] == e
+                                     for i in range(len(g.rewards))) /
+                              max(1, sum(len(g.rewards) for g in all_groups if g.row["env"] == e))
+                              for e in sorted({g.row["env"] for g in all_groups})},
+        }
+        return samples, stats

@@ -1,0 +1,164 @@
+"""The RL trainer: optimizer, one training step on a batch of samples, checkpoints that resume exactly.
+
+Runs under accelerate (one process on CPU; FSDP2 through an accelerate config on GPUs). Muon follows
+prime-rl: torch.optim.Muon on the 2-D weight matrices of the hidden layers, AdamW on everything else
+(embeddings, output head, norms, biases, router, and the 3-D stacked expert weights Muon does not take).
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import torch
+
+from recipe.rl.loss import completion_logprobs, masked_is_loss
+from recipe.runs import write_atomic
+
+
+class CombinedOptimizer:
+    """Several torch optimizers stepped together (Muon + AdamW), with one state dict."""
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer]):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self):
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def step(self):
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return {"optimizers": [o.state_dict() for o in self.optimizers]}
+
+    def load_state_dict(self, state):
+        for o, s in zip(self.optimizers, state["optimizers"]):
+            o.load_state_dict(s)
+
+
+def build_optimizer(model, rl_cfg):
+    if rl_cfg.optimizer == "adamw":
+        return CombinedOptimizer([torch.optim.AdamW(model.parameters(), lr=rl_cfg.lr,
+                                                    weight_decay=rl_cfg.weight_decay)])
+    if rl_cfg.optimizer != "muon":
+        raise ValueError(f"rl.optimizer must be 'adamw' or 'muon', got '{rl_cfg.optimizer}'")
+    muon, adamw = [], []
+    for name, p in model.named_parameters():
+        hidden_matrix = p.ndim == 2 and "embed_tokens" not in name and "lm_head" not in name and ".gate." not in name
+        (muon if hidden_matrix else adamw).append(p)
+    return CombinedOptimizer([
+        torch.optim.Muon(muon, lr=rl_cfg.lr, weight_decay=rl_cfg.weight_decay, adjust_lr_fn="match_rms_adamw"),
+        torch.optim.AdamW(adamw, lr=rl_cfg.lr, weight_decay=rl_cfg.weight_decay),
+    ])
+
+
+def _pad(seqs: list[list], value) -> torch.Tensor:
+    width = max(len(s) for s in seqs)
+    return torch.tensor([list(s) + [value] * (width - len(s)) for s in seqs])
+
+
+def train_step(model, optimizer, accelerator, samples, rl_cfg, pad_id: int) -> dict:
+    """One optimizer step on the batch; the loss is normalised by the loss tokens of the whole step."""
+    model.train()
+    total_tokens = sum(sum(s.loss_mask) for s in samples)
+    totals: dict = {}
+    for start in range(0, len(samples), rl_cfg.micro_batch_size):
+        mb = samples[start:start + rl_cfg.micro_batch_size]
+        input_ids = _pad([s.prompt_ids + s.completion_ids for s in mb], pad_id)
+        attention = _pad([[1] * (len(s.prompt_ids) + len(s.completion_ids)) for s in mb], 0)
+        logits = model(input_ids=input_ids.to(accelerator.device),
+                       attention_mask=attention.to(accelerator.device)).logits
+        # logits at position t predict token t+1: gather each completion's positions into [mb, T_c]
+        width = max(len(s.completion_ids) for s in mb)
+        index = _pad([list(range(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + len(s.completion_ids)))
+                      for s in mb], 0).to(logits.device)
+        comp_logits = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        targets = _pad([s.completion_ids for s in mb], pad_id).to(logits.device)
+        logp_train = completion_logprobs(comp_logits, targets, rl_cfg.temperature)
+        logp_infer = _pad([s.logprobs for s in mb], 0.0).to(logits.device).float()
+        loss_mask = _pad([s.loss_mask for s in mb], 0).to(logits.device)
+        assert logp_train.shape == (len(mb), width)
+        advantages = torch.tensor([s.advantage for s in mb], device=logits.device, dtype=torch.float32)
+        loss, stats = masked_is_loss(logp_train, logp_infer, advantages, loss_mask, total_tokens,
+                                     rl_cfg.mask_ratio_low, rl_cfg.mask_ratio_high, rl_cfg.sequence_mask_low)
+        accelerator.backward(loss)
+        stats["loss"] = float(loss.detach())
+        for k, v in stats.items():
+            totals[k] = totals.get(k, 0) + v
+    grad_norm = accelerator.clip_grad_norm_(model.parameters(), rl_cfg.max_grad_norm)
+    optimizer.step()
+    optimizer.zero_grad()
+    n = max(totals.get("loss_tokens", 0), 1)
+    return {
+        "loss": totals.get("loss", 0.0),
+        "grad_norm": float(grad_norm),
+        "loss_tokens": totals.get("loss_tokens", 0),
+        "masked_share_low": totals.get("masked_low", 0) / n,
+        "masked_share_high": totals.get("masked_high", 0) / n,
+        "masked_share_sequence": totals.get("masked_sequence_tokens", 0) / n,
+        "masked_share": 1.0 - totals.get("kept_tokens", 0) / n,
+        "mean_ratio": totals.get("ratio_sum", 0.0) / n,
+    }
+
+
+# -- checkpoints -------------------------------------------------------------------------------------------
+def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, orchestrator_state: dict, keep: int) -> Path:
+    """Write everything needed to resume at `step` into a temporary folder, then rename it into place."""
+    from safetensors.torch import save_file
+
+    final = ckpt_root / f"step_{step:06d}"
+    tmp = ckpt_root / f".tmp_step_{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, tmp / "model.safetensors")
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
+    (tmp / "orchestrator.json").write_text(json.dumps(orchestrator_state))
+    (tmp / "meta.json").write_text(json.dumps({"step": step}))
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    for old in sorted(ckpt_root.glob("step_*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    done = [p for p in sorted(ckpt_root.glob("step_*")) if (p / "meta.json").exists()]
+    return done[-1] if done else None
+
+
+def load_checkpoint(path: Path, model, optimizer) -> tuple[int, dict]:
+    from safetensors.torch import load_file
+
+    model.load_state_dict(load_file(path / "model.safetensors"))
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+    rng = torch.load(path / "rng.pt", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    return json.loads((path / "meta.json").read_text())["step"], json.loads((path / "orchestrator.json").read_text())
+
+
+def publish_weights(model, weights_dir: Path, version: int, keep: int = 3) -> Path:
+    """Filesystem weight broadcast (as prime-rl's): one safetensors file a policy version, written atomically."""
+    from safetensors.torch import save_file
+
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    path = weights_dir / f"policy_{version:06d}.safetensors"
+    tmp = weights_dir / f".policy_{version:06d}.tmp"
+    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, tmp)
+    os.replace(tmp, path)
+    for old in sorted(weights_dir.glob("policy_*.safetensors"))[:-keep]:
+        old.unlink(missing_ok=True)
+    write_atomic(weights_dir / "LATEST", str(version))
+    return path

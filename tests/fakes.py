@@ -1,0 +1,50 @@
+"""Test doubles: a character tokenizer and a scripted engine that answers at once."""
+from recipe.inference import Completion
+
+
+class CharTokenizer:
+    pad_token_id = 0
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(i) for i in ids)
+
+
+class ScriptedEngine:
+    """Answers every request with answer_fn(prompt_text, sample_index), tagged with the current version."""
+
+    def __init__(self, answer_fn, batch: int = 1000):
+        self.answer_fn = answer_fn
+        self.policy_version = 0
+        self.pending = []
+        self.events = []
+        self.batch = batch
+        self.submitted = 0
+
+    def submit(self, requests):
+        self.pending.extend(requests)
+        self.submitted += len(requests)
+
+    def update_weights(self, path, version):
+        self.policy_version = version
+
+    def poll(self, timeout=None):
+        if self.events:
+            return self.events.pop(0)
+        if not self.pending:
+            return None
+        batch, self.pending = self.pending[:self.batch], self.pending[self.batch:]
+        out = []
+        for r in batch:
+            text = self.answer_fn("".join(chr(i) for i in r.prompt_ids), r.id)
+            ids = [ord(c) for c in text]
+            out.append((r.id, Completion(ids, [-1.0] * len(ids), "stop", self.policy_version)))
+        return ("done", out, 0.01)
+
+    def close(self):
+        pass

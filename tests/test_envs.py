@@ -1,0 +1,56 @@
+import json
+
+from recipe.envs import get_env, parse_final_answer
+from recipe.envs.base import Environment
+
+
+def _row(env, answer, info=None):
+    return {"env": env, "answer": answer, "info": json.dumps(info or {}), "prompt": []}
+
+
+def test_parser_takes_text_after_last_think_end():
+    assert parse_final_answer("<think>a</think>\n 42 ") == "42"
+    assert parse_final_answer("<think>a</think>b</think>c") == "c"
+    assert parse_final_answer("42") is None
+
+
+def test_math_env_uses_math_verify_equivalence():
+    env = get_env("math")
+    row = _row("math", "1/2")
+    assert env.score("<think>x</think>\n\\boxed{0.5}", row).reward == 1.0
+    assert env.score("<think>x</think>\n\\boxed{\\frac{1}{2}}", row).reward == 1.0
+    assert env.score("<think>x</think>\n\\boxed{3}", row).reward == 0.0
+    assert env.score("\\boxed{0.5}", row).reward == 0.0  # no </think>: the format was not followed
+
+
+def test_logic_env_uses_reasoning_gym_scorer():
+    import reasoning_gym
+
+    entry = reasoning_gym.create_dataset("spell_backward", size=1, seed=3)[0]
+    row = _row("logic", entry["answer"], {"task": "spell_backward", "entry": {
+        "question": entry["question"], "answer": entry["answer"], "metadata": entry["metadata"]}})
+    env = get_env("logic")
+    assert env.score(f"<think>t</think>\n{entry['answer']}", row).reward == 1.0
+    assert env.score("<think>t</think>\nzzzzzzzzzz", row).reward < 1.0
+
+
+def test_a_raising_reward_function_is_caught_and_reported():
+    def broken(answer, row):
+        raise RuntimeError("verifier bug")
+
+    class Broken(Environment):
+        name = "broken"
+        rubric = [("ok", lambda a, r: 1.0, 0.5), ("bad", broken, 0.5)]
+
+    res = Broken().score("<think></think>x", {})
+    assert res.reward == 0.5 and res.metrics["bad"] == 0.0
+    assert res.errors and "verifier bug" in res.errors[0]
+
+
+def test_unknown_environment_names_itself():
+    try:
+        get_env("nope")
+    except KeyError as e:
+        assert "nope" in str(e)
+    else:
+        raise AssertionError("expected KeyError")

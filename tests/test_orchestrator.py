@@ -1,0 +1,93 @@
+import json
+
+import pytest
+
+from recipe.config import RLConfig
+from recipe.rl.orchestrator import Orchestrator, offline_filter
+from tests.fakes import CharTokenizer, ScriptedEngine
+
+
+def rl_cfg(**kw):
+    return RLConfig(**{"batch_size": 2, "rollouts_per_example": 4, "env_mix": {"math": 1.0}, **kw})
+
+
+def math_rows(n=20, difficulty=0.5):
+    return [{"id": f"q{i}", "env": "math", "task": "add", "prompt": [{"role": "user", "content": f"Q{i}"}],
+             "answer": str(i), "info": "{}", "difficulty": difficulty} for i in range(n)]
+
+
+def answer_by_index(correct_samples):
+    """Problem i answers correctly in the samples listed for it (by sample index within the group)."""
+    def fn(prompt, rid):
+        i = int(prompt.split("Q")[1].split("<")[0])
+        return f"<think>t</think>{i if (rid % 4) in correct_samples(i) else -1}"
+    return fn
+
+
+def test_advantages_are_reward_minus_group_mean_and_flat_groups_are_dropped():
+    # even problems: 1 of 4 correct; odd problems: all correct (no signal: dropped)
+    eng = ScriptedEngine(answer_by_index(lambda i: {0} if i % 2 == 0 else {0, 1, 2, 3}))
+    orch = Orchestrator(math_rows(), CharTokenizer(), rl_cfg(), eng, seed=0)
+    samples, stats = orch.next_batch(0)
+    assert len(samples) == 2 * 4
+    assert sorted(s.advantage for s in samples) == [-0.25] * 6 + [0.75] * 2
+    assert stats["filtered_all_correct"] >= 1 and stats["filtered_groups"] == stats["filtered_all_correct"]
+
+
+def test_sync_level_submits_nothing_ahead_async_level_keeps_next_batch_in_flight():
+    fn = answer_by_index(lambda i: {0})
+    sync_eng, async_eng = ScriptedEngine(fn, batch=4), ScriptedEngine(fn, batch=4)
+    sync = Orchestrator(math_rows(), CharTokenizer(), rl_cfg(max_async_level=0), sync_eng, seed=0)
+    asyn = Orchestrator(math_rows(), CharTokenizer(), rl_cfg(max_async_level=1), async_eng, seed=0)
+    sync.next_batch(0)
+    asyn.next_batch(0)
+    assert len(sync.inflight) + len(sync.ready) == 0 and not sync_eng.pending
+    assert len(asyn.inflight) + len(asyn.ready) == 2 and len(async_eng.pending) == 2 * 4
+
+
+def test_groups_older_than_max_async_level_are_dropped_as_stale():
+    fn = answer_by_index(lambda i: {0})
+    eng = ScriptedEngine(fn, batch=4)
+    orch = Orchestrator(math_rows(), CharTokenizer(), rl_cfg(max_async_level=1), eng, seed=0)
+    orch.next_batch(0)  # leaves a batch in flight
+    while eng.pending:  # the engine writes it with version 0 while the trainer works
+        orch._on_event(eng.poll())
+    assert len(orch.ready) == 2
+    eng.update_weights(None, 2)  # two trainer steps later
+    samples, stats = orch.next_batch(3)  # needs version >= 2: the in-flight version-0 groups are stale
+    assert stats["stale_groups"] == 2
+    assert all(s.policy_version >= 2 for s in samples)
+    assert stats["staleness"] == {1: 8}
+
+
+def test_cancelled_requests_are_rescheduled():
+    fn = answer_by_index(lambda i: {0})
+    eng = ScriptedEngine(fn)
+    orch = Orchestrator(math_rows(), CharTokenizer(), rl_cfg(max_async_level=0), eng, seed=0)
+    orch._top_up(1)
+    first = list(eng.pending)
+    eng.pending = []
+    eng.events.append(("cancelled", [r.id for r in first]))
+    samples, stats = orch.next_batch(0)
+    assert stats["cancelled_requests"] == 4 and len(samples) == 8
+
+
+def test_env_mix_offline_filter_and_unknown_env():
+    rows = math_rows(10, difficulty=0.9) + math_rows(10, difficulty=0.1)
+    kept, dropped = offline_filter(rows, 0.874)
+    assert dropped == 10 and all(r["difficulty"] <= 0.874 for r in kept)
+    assert offline_filter(rows, None) == (rows, 0)
+    with pytest.raises(ValueError, match="logic"):
+        Orchestrator(math_rows(), CharTokenizer(), rl_cfg(env_mix={"math": 0.5, "logic": 0.5}),
+                     ScriptedEngine(lambda p, r: ""), seed=0)
+
+
+def test_state_round_trip_resumes_the_same_prompt_stream():
+    fn = answer_by_index(lambda i: {0})
+    a = Orchestrator(math_rows(), CharTokenizer(), rl_cfg(), ScriptedEngine(fn), seed=5)
+    for _ in range(7):
+        a._next_row()
+    state = json.loads(json.dumps(a.state_dict()))
+    b = Orchestrator(math_rows(), CharTokenizer(), rl_cfg(), ScriptedEngine(fn), seed=5)
+    b.load_state_dict(state)
+    assert [a._next_row()["id"] for _ in range(30)] == [b._next_row()["id"] for _ in range(30)]
