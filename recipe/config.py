@@ -150,6 +150,7 @@ class RLConfig:
 
 @dataclass
 class EvalConfig:
+    engine: str = "hf"  # hf | vllm
     checkpoints: List[str] = field(default_factory=lambda: ["base", "sft", "rl"])
     samples: int = 4  # k of avg@k
     pass_k: List[int] = field(default_factory=lambda: [1, 4])

@@ -22,12 +22,23 @@ def checkpoint_path(cfg, name: str):
     return d / "model" if (d / "DONE.json").exists() else None
 
 
+def make_eval_engine(cfg, path, out_dir):
+    if cfg.eval.engine == "hf":
+        from recipe.inference.hf import HFEngine
+
+        return HFEngine.from_pretrained(str(path), batch_size=cfg.eval.batch_size)
+    if cfg.eval.engine == "vllm":
+        from recipe.inference.vllm import VLLMEngine
+
+        return VLLMEngine(str(path), cfg, log_path=out_dir / "vllm_server.log")
+    raise ValueError(f"eval.engine must be 'hf' or 'vllm', got '{cfg.eval.engine}'")
+
+
 @stage_main
 def main(cfg):
     from recipe.data.schema import read_split
     from recipe.eval.report import write_report
     from recipe.eval.runner import evaluate
-    from recipe.inference.hf import HFEngine
 
     torch.set_num_threads(cfg.eval.threads)
     stage = Stage(cfg, "eval")
@@ -55,8 +66,12 @@ def main(cfg):
             for f in out.iterdir():
                 f.unlink()
         started = time.time()
-        engine = HFEngine.from_pretrained(str(path), batch_size=cfg.eval.batch_size)
-        res = evaluate(engine, engine.tokenizer, rows, cfg.eval, out, desc=f"eval {name}")
+        engine = make_eval_engine(cfg, path, out)
+        try:
+            res = evaluate(engine, engine.tokenizer, rows, cfg.eval, out, desc=f"eval {name}")
+        finally:
+            if hasattr(engine, "close"):
+                engine.close()
         res.update({"key": key, "checkpoint": name, "model_sha": model_sha})
         res["provenance"] = provenance(cfg, f"eval/{name}", config_hash(cfg, STAGE_KEYS["eval"]), started,
                                        inputs={"model": path, "eval_data": data_dir / "eval.parquet"},

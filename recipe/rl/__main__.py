@@ -17,7 +17,7 @@ from tqdm import tqdm
 from recipe.runs import MetricsLog, Stage, require_done, stage_main
 
 
-def make_engine(cfg, model_path, version: int):
+def make_engine(cfg, model_path, version: int, log_dir):
     rl = cfg.rl
     if rl.engine == "hf":
         from recipe.inference.worker import HFEngineProcess
@@ -28,7 +28,7 @@ def make_engine(cfg, model_path, version: int):
     if rl.engine == "vllm":
         from recipe.inference.vllm import VLLMEngine
 
-        return VLLMEngine(str(model_path), cfg, version=version)
+        return VLLMEngine(str(model_path), cfg, version=version, log_path=log_dir / "vllm_server.log")
     raise ValueError(f"rl.engine must be 'hf' or 'vllm', got '{rl.engine}'")
 
 
@@ -50,8 +50,8 @@ def run_rl(cfg, stage_dir, start_model):
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     model, tokenizer = load_pretrained(str(start_model), dtype=cfg.model.dtype,
                                        attn_implementation=cfg.model.attn_implementation)
-    optimizer = build_optimizer(model, rl)
     model = accelerator.prepare(model)
+    optimizer = build_optimizer(model, rl)  # after prepare: under FSDP2 the parameters are the sharded ones
     ckpt_root, weights_dir = stage_dir / "checkpoints", stage_dir / "weights"
     step, orch_state = 0, None
     last = latest_checkpoint(ckpt_root)
@@ -59,7 +59,7 @@ def run_rl(cfg, stage_dir, start_model):
         step, orch_state = load_checkpoint(last, accelerator.unwrap_model(model), optimizer)
         print(f"rl: resuming from {last} (step {step})")
     metrics = MetricsLog(stage_dir / "metrics.jsonl", resume_step=step if last else None)
-    engine = make_engine(cfg, start_model, version=0)
+    engine = make_engine(cfg, start_model, version=0, log_dir=stage_dir)
     try:
         if step > 0:
             engine.update_weights(publish_weights(accelerator.unwrap_model(model), weights_dir, step), step)

@@ -1,0 +1,593 @@
+"""The vllm engine: request/response handling and process control against a fake server (runs everywhere), and
+one test against a real vLLM server on a tiny model (only where vllm is installed)."""
+import importlib.util
+import json
+import math
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlparse
+
+import pytest
+
+from recipe.inference import SamplingParams
+from recipe.inference.vllm import (EXTENSION_CLS, RELOAD_METHOD, VLLMEngine, WeightLoaderExtension,
+                                   checkpoint_format, completion_body, parse_completion, read_stop_ids,
+                                   server_command, server_env)
+from recipe.inference.worker import Request
+
+# A /v1/completions response as vLLM writes it for a token-id prompt with logprobs=0,
+# return_tokens_as_token_ids=true and skip_special_tokens=false; the sequence ended on <|endoftext|> (id 0).
+RECORDED = {
+    "id": "cmpl-5f0c3b0e9a2b4c1e8d7f6a5b4c3d2e1f",
+    "object": "text_completion",
+    "created": 1767225600,
+    "model": "policy",
+    "choices": [{
+        "index": 0,
+        "text": "<think>3+4=7</think>7<|endoftext|>",
+        "logprobs": {
+            "text_offset": [0, 7, 8, 9, 10, 11, 12, 20, 21],
+            "token_logprobs": [-0.0312, -0.6931, -0.0041, -0.2877, -0.0105, -0.0009, -0.1625, -0.0513, -0.0021],
+            "tokens": ["token_id:8", "token_id:52", "token_id:44", "token_id:53", "token_id:62", "token_id:55",
+                       "token_id:9", "token_id:55", "token_id:0"],
+            "top_logprobs": [{"token_id:8": -0.0312}, {"token_id:52": -0.6931}, {"token_id:44": -0.0041},
+                             {"token_id:53": -0.2877}, {"token_id:62": -0.0105}, {"token_id:55": -0.0009},
+                             {"token_id:9": -0.1625}, {"token_id:55": -0.0513}, {"token_id:0": -0.0021}],
+        },
+        "finish_reason": "stop",
+        "stop_reason": None,
+        "prompt_logprobs": None,
+        "prompt_token_ids": None,
+    }],
+    "usage": {"prompt_tokens": 14, "total_tokens": 23, "completion_tokens": 9, "prompt_tokens_details": None},
+    "system_fingerprint": None,
+    "kv_transfer_params": None,
+}
+
+
+def make_cfg(**rl):
+    from recipe.config import Config
+
+    cfg = Config()
+    for k, v in rl.items():
+        setattr(cfg.rl, k, v)
+    return cfg
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def flag(cmd, name):
+    return cmd[cmd.index(name) + 1]
+
+
+# -- pure functions ---------------------------------------------------------------------------------------
+def test_parse_recorded_response():
+    c = parse_completion(RECORDED, policy_version=3)
+    assert c.token_ids == [8, 52, 44, 53, 62, 55, 9, 55, 0]
+    assert c.logprobs == RECORDED["choices"][0]["logprobs"]["token_logprobs"]
+    assert c.finish_reason == "stop" and c.policy_version == 3
+
+
+def test_parse_rejects_what_the_trainer_cannot_use():
+    text_tokens = json.loads(json.dumps(RECORDED))
+    text_tokens["choices"][0]["logprobs"]["tokens"][0] = "<think>"
+    with pytest.raises(ValueError, match="return_tokens_as_token_ids"):
+        parse_completion(text_tokens)
+    no_logprobs = json.loads(json.dumps(RECORDED))
+    no_logprobs["choices"][0]["logprobs"] = None
+    with pytest.raises(ValueError, match="no logprobs"):
+        parse_completion(no_logprobs)
+    aborted = json.loads(json.dumps(RECORDED))
+    aborted["choices"][0]["finish_reason"] = "abort"
+    with pytest.raises(ValueError, match="finish_reason"):
+        parse_completion(aborted)
+
+
+def test_request_body():
+    body = completion_body([5, 6, 7], SamplingParams(max_new_tokens=32, temperature=0.7, top_p=0.9, seed=11),
+                           stop_ids=[0, 5], seed=12)
+    assert body["prompt"] == [5, 6, 7]  # token ids, not text
+    assert body["max_tokens"] == 32 and body["temperature"] == 0.7 and body["top_p"] == 0.9
+    assert body["top_k"] == -1  # vLLM's spelling of "off"
+    assert body["seed"] == 12 and body["n"] == 1
+    assert body["logprobs"] == 0  # the sampled token's logprob comes with any value
+    assert body["return_tokens_as_token_ids"] is True and body["skip_special_tokens"] is False
+    assert body["stop_token_ids"] == [0, 5]
+    assert completion_body([1], SamplingParams(seed=4))["seed"] == 4
+    json.dumps(body)
+
+
+def test_server_command_pins_flags():
+    cfg = make_cfg(vllm_port=8123, vllm_tensor_parallel_size=2, vllm_gpu_memory_utilization=0.3, seed=7,
+                   vllm_extra_args=["--max-model-len", "4096"])
+    cfg.model.dtype = "bfloat16"
+    cmd = server_command("/models/m", cfg)
+    assert cmd[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "/models/m"]
+    assert flag(cmd, "--host") == "127.0.0.1" and flag(cmd, "--port") == "8123"
+    assert flag(cmd, "--dtype") == "bfloat16"
+    assert flag(cmd, "--tensor-parallel-size") == "2" and flag(cmd, "--gpu-memory-utilization") == "0.3"
+    assert flag(cmd, "--seed") == "7"
+    assert int(flag(cmd, "--max-logprobs")) >= 1
+    assert flag(cmd, "--logprobs-mode") == "processed_logprobs"  # logprobs after temperature
+    assert flag(cmd, "--generation-config") == "vllm"
+    assert flag(cmd, "--worker-extension-cls") == EXTENSION_CLS
+    assert cmd[-2:] == ["--max-model-len", "4096"]  # extra args last
+
+
+def test_server_command_from_composed_config(cfg_factory):
+    cfg = cfg_factory("preset=intellect3")
+    cmd = server_command("/m", cfg)
+    assert flag(cmd, "--dtype") == cfg.model.dtype
+    assert flag(cmd, "--tensor-parallel-size") == str(cfg.rl.vllm_tensor_parallel_size)
+    assert cmd[-len(cfg.rl.vllm_extra_args):] == list(cfg.rl.vllm_extra_args)
+
+
+def test_server_env():
+    env = server_env({"PYTHONPATH": "/x"}, cuda=False)
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    from recipe.inference.vllm import REPO_ROOT
+
+    assert env["PYTHONPATH"].split(":") == [str(REPO_ROOT), "/x"]
+    assert "VLLM_CPU_KVCACHE_SPACE" not in server_env({}, cuda=True)
+    assert server_env({"VLLM_CPU_KVCACHE_SPACE": "4"}, cuda=False)["VLLM_CPU_KVCACHE_SPACE"] == "4"
+
+
+def test_read_stop_ids(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 3}))
+    assert read_stop_ids(tmp_path) == [3]
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 5, 7]}))
+    assert read_stop_ids(tmp_path) == [0, 5, 7]
+    assert read_stop_ids(tmp_path / "missing") == []
+
+
+# -- the weight loader (server side), without vLLM ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_moe(tmp_path_factory):
+    """A Glm4MoeForCausalLM of a few thousand parameters and its save_pretrained folder."""
+    import torch
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Glm4MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, head_dim=16, moe_intermediate_size=16,
+                           n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                           num_mtp_layers=0, tie_word_embeddings=False)
+    model = Glm4MoeForCausalLM(config)
+    folder = tmp_path_factory.mktemp("tiny_moe")
+    model.save_pretrained(str(folder))
+    return model, folder
+
+
+def test_checkpoint_format_matches_save_pretrained(tiny_moe):
+    import torch
+    from safetensors.torch import load_file
+
+    model, folder = tiny_moe
+    state = model.state_dict()
+    assert any(k.endswith(".experts.gate_up_proj") for k in state)  # fused in the module
+    saved = load_file(str(folder / "model.safetensors"))
+    converted = dict(checkpoint_format(state.items()))
+    assert set(converted) == set(saved)
+    for k, v in saved.items():
+        assert torch.equal(converted[k], v), k
+
+
+def test_weight_loader_extension_streams_file_into_reload_weights(tiny_moe, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model, folder = tiny_moe
+    path = tmp_path / "policy_000001.safetensors"
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(path))  # as publish_weights
+
+    class Runner:
+        def reload_weights(self, weights_iterator=None, weights_path=None, is_checkpoint_format=True):
+            assert weights_path is None and is_checkpoint_format
+            self.got = dict(weights_iterator)
+
+    class Worker(WeightLoaderExtension):
+        def __init__(self):
+            self.model_runner = Runner()
+
+    w = Worker()
+    out = getattr(w, RELOAD_METHOD)(str(path))
+    saved = load_file(str(folder / "model.safetensors"))
+    assert set(w.model_runner.got) == set(saved)
+    assert out == {"path": str(path), "tensors": len(saved)}
+    json.dumps(out)  # travels back through /collective_rpc
+
+
+# -- a fake vLLM server ------------------------------------------------------------------------------------
+STOP = 0
+
+
+class FakeVLLM:
+    """/health, /v1/completions, /collective_rpc and /reset_prefix_cache, as vLLM answers them.
+
+    A completion is [100 + number of weight reloads so far, last prompt token + 1, STOP], cut at max_tokens.
+    Clearing `gate` holds completions until it is set again.
+    """
+
+    def __init__(self):
+        self.bodies, self.rpcs, self.resets = [], [], []
+        self.reloads = 0
+        self.gate = threading.Event()
+        self.gate.set()
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, code, payload=None):
+                data = b"" if payload is None else json.dumps(payload).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self.reply(200 if self.path == "/health" else 404)
+
+            def do_POST(self):
+                url = urlparse(self.path)
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                if url.path == "/v1/completions":
+                    fake.bodies.append(body)
+                    if any(t < 0 for t in body["prompt"]):
+                        return self.reply(400, {"object": "error", "type": "BadRequestError", "code": 400,
+                                                "message": "prompt token ids must be non-negative"})
+                    fake.gate.wait(30)
+                    ids = [100 + fake.reloads, body["prompt"][-1] + 1, STOP][:body["max_tokens"]]
+                    lps = [-0.5, -0.25, -0.125][:len(ids)]
+                    toks = [f"token_id:{i}" for i in ids]
+                    self.reply(200, {"id": "cmpl-1", "object": "text_completion", "created": 0, "model": "policy",
+                                     "choices": [{"index": 0, "text": "", "finish_reason":
+                                                  "stop" if ids[-1] == STOP else "length", "stop_reason": None,
+                                                  "logprobs": {"tokens": toks, "token_logprobs": lps,
+                                                               "text_offset": list(range(len(ids))),
+                                                               "top_logprobs": [{t: v} for t, v in zip(toks, lps)]}}],
+                                     "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(ids),
+                                               "total_tokens": len(body["prompt"]) + len(ids)}})
+                elif url.path == "/collective_rpc":
+                    fake.rpcs.append(body)
+                    fake.reloads += 1
+                    self.reply(200, {"results": [{"path": body["args"][0], "tensors": 25}]})
+                elif url.path == "/reset_prefix_cache":
+                    fake.resets.append(url.query)
+                    self.reply(200)
+                else:
+                    self.reply(404, {"detail": "Not Found"})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}"
+
+    def close(self):
+        self.gate.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def fake():
+    f = FakeVLLM()
+    yield f
+    f.close()
+
+
+def connect(fake, tmp_path, **rl):
+    return VLLMEngine(tmp_path, make_cfg(**rl), launch=False, base_url=fake.url, stop_ids=[STOP, 5],
+                      log_path=tmp_path / "vllm.log")
+
+
+def collect(engine, n_done, n_cancelled=0, timeout=20.0):
+    done, cancelled, busy = {}, [], 0.0
+    deadline = time.monotonic() + timeout
+    while len(done) < n_done or len(cancelled) < n_cancelled:
+        assert time.monotonic() < deadline, f"timed out with {len(done)} done, {cancelled} cancelled"
+        ev = engine.poll(timeout=1.0)
+        if ev is None:
+            continue
+        if ev[0] == "done":
+            done.update(ev[1])
+            busy += ev[2]
+        else:
+            assert ev[0] == "cancelled"
+            cancelled.extend(ev[1])
+    return done, sorted(cancelled), busy
+
+
+def wait_for(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.01)
+
+
+def test_submit_poll_update_end_to_end(fake, tmp_path):
+    eng = connect(fake, tmp_path, gen_batch_size=4)
+    try:
+        reqs = [Request(i, [10, 11, 20 + i], SamplingParams(max_new_tokens=8, temperature=0.9, seed=100 + i), 0)
+                for i in range(6)]
+        eng.submit(reqs)
+        done, cancelled, busy = collect(eng, 6)
+        assert cancelled == [] and busy > 0
+        assert {rid: c.token_ids for rid, c in done.items()} == {i: [100, 21 + i, STOP] for i in range(6)}
+        assert all(c.logprobs == [-0.5, -0.25, -0.125] and c.finish_reason == "stop" and c.policy_version == 0
+                   for c in done.values())
+        assert sorted(b["seed"] for b in fake.bodies) == list(range(100, 106))  # each request's own seed
+        b = fake.bodies[0]
+        assert b["top_k"] == -1 and b["logprobs"] == 0 and b["return_tokens_as_token_ids"] is True
+        assert b["stop_token_ids"] == [STOP, 5] and b["temperature"] == 0.9 and b["max_tokens"] == 8
+
+        weights = tmp_path / "weights" / "policy_000001.safetensors"
+        weights.parent.mkdir()
+        weights.write_bytes(b"")  # the fake server does not read it
+        eng.update_weights(weights, 1)
+        assert fake.rpcs == [{"method": RELOAD_METHOD, "args": [str(weights.resolve())]}]
+        assert fake.resets == ["reset_running_requests=true"]
+        assert eng.policy_version == 1
+
+        eng.submit([Request(9, [1, 2], SamplingParams(max_new_tokens=2, seed=7), 1)])
+        done, _, _ = collect(eng, 1)
+        assert done[9].token_ids == [101, 3]  # the reloaded "weights" wrote it
+        assert done[9].finish_reason == "length" and done[9].policy_version == 1
+    finally:
+        eng.close()
+
+
+def test_stale_requests_are_cancelled_not_sent(fake, tmp_path):
+    eng = connect(fake, tmp_path, gen_batch_size=1, max_off_policy_steps=2)  # one request in flight at a time
+    try:
+        fake.gate.clear()
+        params = SamplingParams(max_new_tokens=8, seed=1)
+        eng.submit([Request(0, [1], params, 0), Request(1, [2], params, 0), Request(2, [3], params, 1)])
+        wait_for(lambda: len(fake.bodies) == 1)  # request 0 is on the server; 1 and 2 wait on the client
+        eng.update_weights(tmp_path / "policy_000003.safetensors", 3)
+        fake.gate.set()
+        done, cancelled, _ = collect(eng, 2, 1)
+        assert cancelled == [1]  # written at version 0: 3 - 0 > 2
+        assert sorted(done) == [0, 2]  # request 2 (version 1) is exactly max_off_policy_steps old: sent
+        assert done[0].policy_version == 3  # arrived after the update, finished on the new weights
+        assert done[0].token_ids[0] == done[2].token_ids[0] == 101  # the fake answers with the weights it has
+        assert [b["prompt"] for b in fake.bodies] == [[1], [3]]
+    finally:
+        eng.close()
+
+
+def test_generate_keeps_order_and_gives_each_prompt_its_own_seed(fake, tmp_path):
+    eng = connect(fake, tmp_path, gen_batch_size=8)
+    try:
+        out = eng.generate([[1, 2], [1, 2], [7]], SamplingParams(max_new_tokens=8, seed=50))
+        assert [c.token_ids for c in out] == [[100, 3, STOP], [100, 3, STOP], [100, 8, STOP]]
+        assert sorted(b["seed"] for b in fake.bodies) == [50, 51, 52]
+        assert all(c.policy_version == 0 for c in out)
+    finally:
+        eng.close()
+
+
+def test_server_errors_surface_in_poll_and_generate(fake, tmp_path):
+    eng = connect(fake, tmp_path)
+    try:
+        eng.submit([Request(0, [-1], SamplingParams(), 0)])
+        with pytest.raises(RuntimeError, match="HTTP 400.*non-negative"):
+            collect(eng, 1)
+        with pytest.raises(RuntimeError, match="HTTP 400"):
+            eng.generate([[-1]], SamplingParams())
+    finally:
+        eng.close()
+
+
+def test_default_stop_ids_are_hf_engines(fake, tmp_path):
+    from recipe.model import build_tokenizer, stop_token_ids
+
+    tok = build_tokenizer(["12+34=46", "sort 3 1 2"], vocab_size=64)
+    tok.save_pretrained(str(tmp_path))
+    eng = VLLMEngine(tmp_path, make_cfg(), launch=False, base_url=fake.url, log_path=tmp_path / "vllm.log")
+    try:
+        assert eng.stop_ids == stop_token_ids(tok) and len(eng.stop_ids) == 3
+        eng.generate([[1]], SamplingParams())
+        assert fake.bodies[0]["stop_token_ids"] == eng.stop_ids
+    finally:
+        eng.close()
+
+
+def test_no_server_at_base_url_is_a_clear_error(tmp_path):
+    with pytest.raises(RuntimeError, match="not healthy"):
+        VLLMEngine(tmp_path, make_cfg(), launch=False, base_url=f"http://127.0.0.1:{free_port()}",
+                   startup_timeout=1.0, stop_ids=[])
+
+
+# -- the server process, with a stand-in for `vllm serve` --------------------------------------------------
+HEALTH_SERVER = """
+import http.server, subprocess, sys
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])  # like vLLM's engine process
+open(sys.argv[2], "w").write(str(child.pid))
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+    def log_message(self, *args):
+        pass
+print("stand-in server up", flush=True)
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def stand_in(port, tmp_path):
+    return [sys.executable, "-c", HEALTH_SERVER, str(port), str(tmp_path / "child.pid")]
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")  # a zombie no one reaped yet is gone too
+    except FileNotFoundError:
+        return True
+
+
+def test_launch_failure_reports_the_log_tail(tmp_path):
+    cmd = [sys.executable, "-c", "import sys; print('ValueError: no config.json in /models/m', flush=True); "
+                                 "sys.exit(3)"]
+    with pytest.raises(RuntimeError) as err:
+        VLLMEngine(tmp_path, make_cfg(), port=free_port(), command=cmd, log_path=tmp_path / "server.log",
+                   startup_timeout=30, stop_ids=[])
+    msg = str(err.value)
+    assert "exited with code 3" in msg.splitlines()[0]
+    assert "no config.json" in msg
+    assert "no config.json" in (tmp_path / "server.log").read_text()
+
+
+def test_launch_health_and_close(tmp_path):
+    port = free_port()
+    eng = VLLMEngine(tmp_path, make_cfg(), port=port, command=stand_in(port, tmp_path),
+                     log_path=tmp_path / "logs" / "server.log", startup_timeout=30, stop_ids=[])
+    proc = eng.proc
+    try:
+        assert proc.poll() is None
+        assert eng.base_url == f"http://127.0.0.1:{port}"
+        child = int((tmp_path / "child.pid").read_text())
+        assert not gone(child)
+    finally:
+        eng.close()
+    assert proc.poll() is not None  # stopped, not orphaned, and so is the process it started
+    wait_for(lambda: gone(child))
+    log = (tmp_path / "logs" / "server.log").read_text()
+    assert "stand-in server up" in log and "http.server" in log  # the command line heads the log
+    eng.close()  # idempotent
+
+
+def test_server_death_is_reported_by_poll(tmp_path):
+    port = free_port()
+    eng = VLLMEngine(tmp_path, make_cfg(), port=port, command=stand_in(port, tmp_path),
+                     log_path=tmp_path / "server.log", startup_timeout=30, stop_ids=[])
+    try:
+        eng.proc.kill()
+        eng.proc.wait(10)
+        with pytest.raises(RuntimeError, match="exited with code"):
+            eng.poll(timeout=2.0)
+    finally:
+        eng.close()
+    wait_for(lambda: gone(int((tmp_path / "child.pid").read_text())))
+
+
+PARENT = """
+import os, signal, sys, types
+sys.path.insert(0, {root!r})
+from recipe.inference.vllm import VLLMEngine
+rl = types.SimpleNamespace(max_off_policy_steps=1, gen_batch_size=2, vllm_port={port})
+eng = VLLMEngine({tmp!r}, types.SimpleNamespace(rl=rl), port={port}, command={cmd!r}, stop_ids=[],
+                 log_path={tmp!r} + "/server.log", startup_timeout=30)
+print(eng.proc.pid, flush=True)
+if sys.argv[1] == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)  # no atexit, no finally
+"""
+
+
+@pytest.mark.parametrize("how", ["exit", "kill"])
+def test_server_does_not_outlive_its_parent(tmp_path, how):
+    import subprocess
+
+    from recipe.inference.vllm import REPO_ROOT
+
+    port = free_port()
+    script = PARENT.format(root=str(REPO_ROOT), port=port, tmp=str(tmp_path), cmd=stand_in(port, tmp_path))
+    out = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, timeout=60)
+    server = int(out.stdout.split()[0])
+    child = int((tmp_path / "child.pid").read_text())
+    try:
+        wait_for(lambda: gone(server))  # exit: the atexit handler closed it; kill -9: PR_SET_PDEATHSIG
+        if how == "exit":  # closed through its process group, the server's own child too
+            wait_for(lambda: gone(child))
+        # after kill -9 the server's own children are left to their own parent-death handling (vLLM's)
+    finally:
+        if not gone(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_port_in_use_is_refused(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(RuntimeError, match="already in use"):
+            VLLMEngine(tmp_path, make_cfg(), port=port, command=[sys.executable, "-c", "pass"],
+                       log_path=tmp_path / "server.log", startup_timeout=5, stop_ids=[])
+    assert not (tmp_path / "server.log").exists()  # nothing was started
+
+
+# -- a real vLLM server (CPU build or GPU) -----------------------------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_real_vllm_server(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from recipe.config import TinyArch
+    from recipe.model import build_tiny_model, build_tokenizer
+
+    texts = [f"{a}+{b}={a + b}" for a in range(30) for b in range(30)]
+    tok = build_tokenizer(texts, vocab_size=128)
+    arch = TinyArch(hidden_size=64, intermediate_size=128, num_hidden_layers=2, moe_intermediate_size=32,
+                    n_routed_experts=4, max_position_embeddings=256)
+    folder = tmp_path / "model"
+    model = build_tiny_model(arch, tok, seed=0)
+    model.save_pretrained(str(folder))
+    tok.save_pretrained(str(folder))
+
+    cfg = make_cfg(vllm_port=free_port(), gen_batch_size=8, max_off_policy_steps=8, seed=0,
+                   vllm_gpu_memory_utilization=0.2 if not torch.cuda.is_available() else 0.3)
+    cfg.model.dtype = "float32"
+    prompt = tok("12+34=")["input_ids"]
+    temperature = 0.7
+
+    def hf_logprobs(m, completion):
+        ids = torch.tensor([prompt + completion.token_ids])
+        with torch.no_grad():
+            logits = m(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+        lp = torch.log_softmax(logits / temperature, dim=-1)
+        return lp.gather(-1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+
+    eng = VLLMEngine(str(folder), cfg, log_path=tmp_path / "vllm.log", startup_timeout=900)
+    try:
+        params = SamplingParams(max_new_tokens=12, temperature=temperature, seed=3)
+        before = eng.generate([prompt] * 4, params)
+        for c in before:
+            assert c.token_ids and len(c.logprobs) == len(c.token_ids)
+            assert all(math.isfinite(v) for v in c.logprobs)
+            assert c.finish_reason in ("stop", "length") and c.policy_version == 0
+            # logprobs of the sampled tokens under softmax(logits / T), the distribution the trainer recomputes
+            assert torch.allclose(torch.tensor(c.logprobs), hf_logprobs(model, c), atol=2e-3)
+        assert len({tuple(c.token_ids) for c in before}) > 1  # seeds params.seed + i: different samples
+
+        new = build_tiny_model(arch, tok, seed=1)
+        path = tmp_path / "weights" / "policy_000001.safetensors"
+        path.parent.mkdir()
+        save_file({k: v.detach().contiguous() for k, v in new.state_dict().items()}, str(path))
+        eng.update_weights(path, 1)
+        assert eng.policy_version == 1
+        after = eng.generate([prompt] * 4, params)
+        assert [c.token_ids for c in after] != [c.token_ids for c in before] or \
+            [c.logprobs for c in after] != [c.logprobs for c in before]
+        for c in after:
+            assert c.policy_version == 1
+            assert torch.allclose(torch.tensor(c.logprobs), hf_logprobs(new, c), atol=2e-3)
+
+        eng.submit([Request(i, prompt, SamplingParams(max_new_tokens=8, seed=i), 1) for i in range(3)])
+        done, cancelled, _ = collect(eng, 3, timeout=300)
+        assert cancelled == [] and all(c.policy_version == 1 for c in done.values())
+    finally:
+        eng.close()
