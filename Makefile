@@ -9,13 +9,13 @@ STAMP := $(VENV)/.installed
 RUN := $(PY) -m
 OVERRIDES := preset=$(PRESET) $(ARGS)
 
-.PHONY: all setup data base sft rl eval report test bench-rl lock clean help
+.PHONY: all setup data base sft rl eval report test bench-rl plan lock clean help
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make all      data, base, sft, rl, eval on PRESET=$(PRESET), then RESULTS.md"
 	@echo "make test     unit tests and the end-to-end tiny pipeline"
-	@echo "stages: data base sft rl eval report; bench-rl; setup; clean"
+	@echo "stages: data base sft rl eval report; bench-rl; plan (SLURM dry run); setup; clean"
 
 all: data base sft rl eval
 
@@ -57,3 +57,7 @@ lock:
 
 clean:
 	rm -rf runs
+
+# Dry run of the RL launch: placement, memory and throughput; writes the SLURM script for slurm presets.
+plan: setup
+	$(RUN) recipe.launch $(OVERRIDES)

@@ -49,6 +49,9 @@ class ModelConfig:
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
     tiny: TinyArch = field(default_factory=TinyArch)
+    # size in billions of parameters, for the launcher's memory estimate; null = not stated (tiny is built here)
+    params_total_b: Optional[float] = None
+    params_active_b: Optional[float] = None
 
 
 @dataclass
@@ -76,6 +79,9 @@ class DataConfig:
     seed: int = 0
     # tiny: rows per task per split
     sft_rows_per_task: int = 2000
+    # share of SFT demonstrations that answer at once, with an empty <think></think>: the SFT data mixes a
+    # careful and a hasty demonstrator, and RL has to find out that reasoning first pays
+    no_think_fraction: float = 0.0
     rl_rows_per_task: int = 1000
     eval_rows_per_task: int = 100
     pretrain_rows_per_task: int = 3000
@@ -121,6 +127,7 @@ class RLConfig:
     temperature: float = 1.0
     optimizer: str = "adamw"  # adamw | muon
     lr: float = 2e-4
+    warmup_steps: int = 0  # linear warmup, then constant (INTELLECT-3 ran a constant LR)
     weight_decay: float = 0.01
     max_grad_norm: float = 1.0
     max_async_level: int = 1
@@ -175,6 +182,9 @@ class LauncherConfig:
     accelerate_config: Optional[str] = None
     partition: Optional[str] = None
     time_limit: str = "48:00:00"
+    # true: the judge nodes are counted among inference_nodes (they serve the judge, not the policy)
+    judge_in_inference: bool = False
+    health_timeout_s: int = 3600  # the batch script waits this long for every vLLM server's /health
 
 
 @dataclass

@@ -93,3 +93,26 @@ def test_kill_minus_9_during_rl_resumes_without_repeating_a_step(pipeline, tmp_p
     steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     assert steps == list(range(1, 9))
     assert (copy / "tiny" / "rl" / "DONE.json").exists()
+
+
+def test_kill_minus_9_during_sft_resumes_from_its_last_checkpoint(pipeline, tmp_path):
+    root, _ = pipeline
+    copy = tmp_path / "runs"
+    for name in ("data", "base"):
+        shutil.copytree(root / "tiny" / name, copy / "tiny" / name)
+    extra = ["sft.max_steps=40", "sft.save_steps=10", "sft.logging_steps=5"]
+    cmd = [sys.executable, "-m", "recipe.sft", f"run_root={copy}", *CI_ARGS, *extra]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpt = copy / "tiny" / "sft" / "checkpoints" / "checkpoint-20" / "trainer_state.json"
+    deadline = time.time() + 300
+    while time.time() < deadline and not ckpt.exists():
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert ckpt.exists() and not (copy / "tiny" / "sft" / "DONE.json").exists()
+    res = stage("sft", copy, *extra)
+    assert "resuming from" in res.stdout
+    steps = [json.loads(x)["step"] for x in (copy / "tiny" / "sft" / "metrics.jsonl").read_text().splitlines()
+             if "loss" in json.loads(x)]
+    assert steps == sorted(set(steps)) and steps[-1] == 40
+    assert (copy / "tiny" / "sft" / "model" / "model.safetensors").exists()

@@ -109,6 +109,15 @@ def answer_text(env: str, answer: str) -> str:
     return f"\\boxed{{{answer}}}" if env == "math" else answer
 
 
+def sft_completion(prompt: str, trace: str, answer: str, no_think_fraction: float) -> str:
+    """The demonstration: a short reasoning in <think>, then the answer; for a hashed share of prompts, the
+    answer alone (a hasty demonstrator)."""
+    draw = int(hashlib.sha256(f"no-think:{prompt}".encode()).hexdigest(), 16) % 10_000 / 10_000
+    if draw < no_think_fraction:
+        return f"<think>\n</think>\n{answer}"
+    return f"<think>\n{trace}\n</think>\n{answer}"
+
+
 def build_tiny(data_cfg) -> dict[str, list[dict]]:
     """Rows for every split: sft, rl, eval (schema rows) and pretrain (plain text rows)."""
     want = {"sft": data_cfg.sft_rows_per_task, "rl": data_cfg.rl_rows_per_task, "eval": data_cfg.eval_rows_per_task}
@@ -132,7 +141,8 @@ def build_tiny(data_cfg) -> dict[str, list[dict]]:
                 "id": f"{spec.task}-{hashlib.sha256(text.encode()).hexdigest()[:12]}",
                 "env": spec.env, "task": spec.task, "split": split,
                 "prompt": [message("user", text)],
-                "completion": [message("assistant", f"<think>\n{trace}\n</think>\n{answer_text(spec.env, answer)}")]
+                "completion": [message("assistant", sft_completion(text, trace, answer_text(spec.env, answer),
+                                                                   data_cfg.no_think_fraction))]
                 if split == "sft" else [],
                 "answer": answer,
                 "info": json.dumps({"task": spec.task, "entry": entry}, sort_keys=True),

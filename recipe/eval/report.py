@@ -76,7 +76,8 @@ def write_report(cfg) -> Path:
         parts.append(f"\nHardware: {hw['cpus']} CPUs, {hw['machine']}; packages: " +
                      ", ".join(f"{k} {v}" for k, v in sorted(any_prov["packages"].items())) + "\n")
     parts += ["\n## Performance: asynchronous against synchronous RL\n\n", bench_section(cfg)]
-    path = Path("RESULTS.md")
+    # the repository's RESULTS.md belongs to the default runs/; other run roots get their own page
+    path = Path("RESULTS.md") if cfg.run_root == "runs" else Path(cfg.run_root) / "RESULTS.md"
     write_atomic(path, "".join(parts))
     return path
 

@@ -39,8 +39,8 @@ def run_rl(cfg, stage_dir, start_model):
     from recipe.data.schema import read_split
     from recipe.model import load_pretrained
     from recipe.rl.orchestrator import Orchestrator
-    from recipe.rl.trainer import (build_optimizer, latest_checkpoint, load_checkpoint, publish_weights,
-                                   save_checkpoint, train_step)
+    from recipe.rl.trainer import (build_optimizer, build_scheduler, latest_checkpoint, load_checkpoint,
+                                   publish_weights, save_checkpoint, train_step)
 
     rl = cfg.rl
     torch.manual_seed(rl.seed)
@@ -52,11 +52,12 @@ def run_rl(cfg, stage_dir, start_model):
                                        attn_implementation=cfg.model.attn_implementation)
     model = accelerator.prepare(model)
     optimizer = build_optimizer(model, rl)  # after prepare: under FSDP2 the parameters are the sharded ones
+    schedulers = build_scheduler(optimizer, rl.warmup_steps)
     ckpt_root, weights_dir = stage_dir / "checkpoints", stage_dir / "weights"
     step, orch_state = 0, None
     last = latest_checkpoint(ckpt_root)
     if last is not None:
-        step, orch_state = load_checkpoint(last, accelerator.unwrap_model(model), optimizer)
+        step, orch_state = load_checkpoint(last, accelerator.unwrap_model(model), optimizer, schedulers)
         print(f"rl: resuming from {last} (step {step})")
     metrics = MetricsLog(stage_dir / "metrics.jsonl", resume_step=step if last else None)
     engine = make_engine(cfg, start_model, version=0, log_dir=stage_dir)
@@ -75,7 +76,8 @@ def run_rl(cfg, stage_dir, start_model):
             t0 = time.perf_counter()
             samples, gen_stats = orch.next_batch(step)
             t1 = time.perf_counter()
-            train_stats = train_step(model, optimizer, accelerator, samples, rl, tokenizer.pad_token_id)
+            train_stats = train_step(model, optimizer, schedulers, accelerator, samples, rl,
+                                     tokenizer.pad_token_id)
             t2 = time.perf_counter()
             step += 1
             engine.update_weights(publish_weights(accelerator.unwrap_model(model), weights_dir, step), step)
@@ -87,8 +89,8 @@ def run_rl(cfg, stage_dir, start_model):
                       "samples_per_s": len(samples) / (time.perf_counter() - t0),
                       "elapsed_s": time.perf_counter() - t_start}
             if step % rl.checkpoint_every == 0 or step == rl.max_steps:
-                save_checkpoint(ckpt_root, step, accelerator.unwrap_model(model), optimizer, orch.state_dict(),
-                                rl.keep_checkpoints)
+                save_checkpoint(ckpt_root, step, accelerator.unwrap_model(model), optimizer, schedulers,
+                                orch.state_dict(), rl.keep_checkpoints)
             metrics.log(record)  # after the checkpoint, so a resumed run never logs a step twice
             bar.set_postfix(reward=f"{gen_stats['reward']:.3f}", masked=f"{train_stats['masked_share']:.3f}",
                             stale=str(gen_stats["staleness"]))

@@ -60,12 +60,20 @@ def build_optimizer(model, rl_cfg):
     ])
 
 
+def build_scheduler(optimizer: CombinedOptimizer, warmup_steps: int):
+    """Linear warmup to the configured LR, then constant; one LambdaLR per inner optimizer."""
+    def factor(step: int) -> float:
+        return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+
+    return [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in optimizer.optimizers]
+
+
 def _pad(seqs: list[list], value) -> torch.Tensor:
     width = max(len(s) for s in seqs)
     return torch.tensor([list(s) + [value] * (width - len(s)) for s in seqs])
 
 
-def train_step(model, optimizer, accelerator, samples, rl_cfg, pad_id: int) -> dict:
+def train_step(model, optimizer, schedulers, accelerator, samples, rl_cfg, pad_id: int) -> dict:
     """One optimizer step on the batch; the loss is normalised by the loss tokens of the whole step."""
     model.train()
     total_tokens = sum(sum(s.loss_mask) for s in samples)
@@ -96,6 +104,8 @@ def train_step(model, optimizer, accelerator, samples, rl_cfg, pad_id: int) -> d
     grad_norm = accelerator.clip_grad_norm_(model.parameters(), rl_cfg.max_grad_norm)
     optimizer.step()
     optimizer.zero_grad()
+    for sch in schedulers:
+        sch.step()
     n = max(totals.get("loss_tokens", 0), 1)
     return {
         "loss": totals.get("loss", 0.0),
@@ -106,11 +116,13 @@ def train_step(model, optimizer, accelerator, samples, rl_cfg, pad_id: int) -> d
         "masked_share_sequence": totals.get("masked_sequence_tokens", 0) / n,
         "masked_share": 1.0 - totals.get("kept_tokens", 0) / n,
         "mean_ratio": totals.get("ratio_sum", 0.0) / n,
+        "lr": optimizer.optimizers[0].param_groups[0]["lr"],
     }
 
 
 # -- checkpoints -------------------------------------------------------------------------------------------
-def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, orchestrator_state: dict, keep: int) -> Path:
+def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, schedulers, orchestrator_state: dict,
+                    keep: int) -> Path:
     """Write everything needed to resume at `step` into a temporary folder, then rename it into place."""
     from safetensors.torch import save_file
 
@@ -120,6 +132,7 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, orchestrator_s
     tmp.mkdir(parents=True)
     save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, tmp / "model.safetensors")
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save([sch.state_dict() for sch in schedulers], tmp / "scheduler.pt")
     torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
     (tmp / "orchestrator.json").write_text(json.dumps(orchestrator_state))
     (tmp / "meta.json").write_text(json.dumps({"step": step}))
@@ -138,11 +151,13 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def load_checkpoint(path: Path, model, optimizer) -> tuple[int, dict]:
+def load_checkpoint(path: Path, model, optimizer, schedulers) -> tuple[int, dict]:
     from safetensors.torch import load_file
 
     model.load_state_dict(load_file(path / "model.safetensors"))
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+    for sch, state in zip(schedulers, torch.load(path / "scheduler.pt", weights_only=False)):
+        sch.load_state_dict(state)
     rng = torch.load(path / "rng.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])

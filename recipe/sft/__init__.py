@@ -26,15 +26,28 @@ def _metrics_callback(metrics: MetricsLog):
     return MetricsCallback()
 
 
+def last_complete_checkpoint(ckpt_dir: Path) -> str | None:
+    """Newest checkpoint-N with its trainer_state.json (written last); a checkpoint cut short by a kill is
+    removed so that training resumes from the one before it."""
+    import shutil
+
+    ckpts = sorted((p for p in ckpt_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
+                   key=lambda p: int(p.name.split("-")[-1]), reverse=True)
+    for p in ckpts:
+        if (p / "trainer_state.json").exists():
+            return str(p)
+        shutil.rmtree(p, ignore_errors=True)
+    return None
+
+
 def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_cpu: bool) -> Path:
     """Train to train_cfg.max_steps, resuming from the newest checkpoint; returns the final model folder."""
-    from transformers.trainer_utils import get_last_checkpoint
     from trl import SFTConfig, SFTTrainer
 
     torch.set_num_threads(train_cfg.threads)
     ckpt_dir = stage_dir / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    last = get_last_checkpoint(str(ckpt_dir))
+    last = last_complete_checkpoint(ckpt_dir)
     resume_step = json.loads((Path(last) / "trainer_state.json").read_text())["global_step"] if last else None
     metrics = MetricsLog(stage_dir / "metrics.jsonl", resume_step=resume_step)
     if last:
