@@ -591,3 +591,20 @@ def test_real_vllm_server(tmp_path):
         assert cancelled == [] and all(c.policy_version == 1 for c in done.values())
     finally:
         eng.close()
+
+
+def test_several_servers_share_requests_and_all_get_the_new_weights(tmp_path):
+    a, b = FakeVLLM(), FakeVLLM()
+    try:
+        eng = VLLMEngine(tmp_path, make_cfg(), launch=False, base_url=f"{a.url},{b.url}", stop_ids=[STOP, 5],
+                         log_path=tmp_path / "vllm.log")
+        eng.generate([[1, 2], [3, 4], [5, 6], [7, 8]], SamplingParams(max_new_tokens=3, seed=0))
+        assert len(a.bodies) == 2 and len(b.bodies) == 2
+        weights = tmp_path / "w.safetensors"
+        weights.write_bytes(b"")
+        eng.update_weights(weights, 1)
+        assert a.reloads == 1 and b.reloads == 1 and eng.policy_version == 1
+        eng.close()
+    finally:
+        a.close()
+        b.close()

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import itertools
 import json
 import os
 import queue
@@ -349,7 +350,11 @@ class VLLMEngine:
         self.request_timeout = request_timeout
         self.rpc_timeout = rpc_timeout
         port = int(rl.vllm_port if port is None else port)
-        self.base_url = (base_url or f"http://{host}:{port}").rstrip("/")
+        # launch=False may name several servers (comma-separated, as the SLURM launcher passes them):
+        # requests go round-robin, weight updates go to every one
+        self.base_urls = [u.strip().rstrip("/") for u in (base_url or f"http://{host}:{port}").split(",") if u.strip()]
+        self.base_url = self.base_urls[0]
+        self._next_server = itertools.count()
         # never through a proxy from the environment: the server is local
         self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         self._events: queue.Queue = queue.Queue()
@@ -392,16 +397,19 @@ class VLLMEngine:
             if self.proc is not None and self.proc.poll() is not None:
                 raise RuntimeError(f"vllm: server exited with code {self.proc.returncode} before it became "
                                    f"healthy; last lines of {self.log_path}:\n{_tail(self.log_path)}")
-            try:
-                with self._opener.open(self.base_url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except (urllib.error.URLError, OSError):
-                pass
+            if all(self._healthy(url) for url in self.base_urls):
+                return
             if time.monotonic() >= deadline:
                 where = f"; last lines of {self.log_path}:\n{_tail(self.log_path)}" if self.proc else ""
                 raise RuntimeError(f"vllm: server at {self.base_url} not healthy after {timeout:.0f} s{where}")
             time.sleep(0.5)
+
+    def _healthy(self, url: str) -> bool:
+        try:
+            with self._opener.open(url + "/health", timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
 
     def _check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None and not self._closed:
@@ -422,9 +430,10 @@ class VLLMEngine:
             self._log.close()
 
     # -- HTTP ---------------------------------------------------------------------------------------------
-    def _post(self, path: str, body: dict | None, timeout: float):
+    def _post(self, path: str, body: dict | None, timeout: float, url: str | None = None):
+        url = url or self.base_url
         data = json.dumps(body if body is not None else {}).encode()
-        req = urllib.request.Request(self.base_url + path, data=data, method="POST",
+        req = urllib.request.Request(url + path, data=data, method="POST",
                                      headers={"Content-Type": "application/json"})
         try:
             with self._opener.open(req, timeout=timeout) as r:
@@ -434,12 +443,13 @@ class VLLMEngine:
             raise RuntimeError(f"vllm: POST {path} failed with HTTP {e.code}: {detail}") from None
         except (urllib.error.URLError, OSError) as e:
             self._check_alive()
-            raise RuntimeError(f"vllm: POST {path} to {self.base_url} failed: {e}") from None
+            raise RuntimeError(f"vllm: POST {path} to {url} failed: {e}") from None
         return json.loads(raw) if raw.strip() else None
 
     def _complete(self, prompt_ids, params: SamplingParams, seed: int) -> Completion:
+        url = self.base_urls[next(self._next_server) % len(self.base_urls)]
         response = self._post("/v1/completions", completion_body(prompt_ids, params, self.stop_ids, seed),
-                               self.request_timeout)
+                              self.request_timeout, url)
         return parse_completion(response, policy_version=self.policy_version)  # the version when it arrived
 
     # -- synchronous generation (eval) --------------------------------------------------------------------
@@ -542,12 +552,13 @@ class VLLMEngine:
         token-level importance ratio corrects for it); completions arriving from now on carry `version`.
         """
         path = str(Path(weights_path).resolve())
-        out = self._post("/collective_rpc", {"method": RELOAD_METHOD, "args": [path]}, self.rpc_timeout)
-        results = (out or {}).get("results")
-        if not results or not all(isinstance(x, dict) and x.get("tensors", 0) > 0 for x in results):
-            raise RuntimeError(f"vllm: weight reload from {path} returned {out!r}")
-        # KV blocks computed with the old weights must not be reused, including those of running requests
-        self._post("/reset_prefix_cache?reset_running_requests=true", None, self.rpc_timeout)
+        for url in self.base_urls:  # the weights file is on a shared filesystem for multi-node runs
+            out = self._post("/collective_rpc", {"method": RELOAD_METHOD, "args": [path]}, self.rpc_timeout, url)
+            results = (out or {}).get("results")
+            if not results or not all(isinstance(x, dict) and x.get("tensors", 0) > 0 for x in results):
+                raise RuntimeError(f"vllm: weight reload from {path} on {url} returned {out!r}")
+            # KV blocks computed with the old weights must not be reused, including those of running requests
+            self._post("/reset_prefix_cache?reset_running_requests=true", None, self.rpc_timeout, url)
         self.policy_version = int(version)
 
 

@@ -28,6 +28,9 @@ def make_engine(cfg, model_path, version: int, log_dir):
     if rl.engine == "vllm":
         from recipe.inference.vllm import VLLMEngine
 
+        urls = os.environ.get("RECIPE_VLLM_URLS")  # servers the SLURM launcher started on inference nodes
+        if urls:
+            return VLLMEngine(str(model_path), cfg, version=version, launch=False, base_url=urls)
         return VLLMEngine(str(model_path), cfg, version=version, log_path=log_dir / "vllm_server.log")
     raise ValueError(f"rl.engine must be 'hf' or 'vllm', got '{rl.engine}'")
 
