@@ -25,7 +25,7 @@ def tiny_table(cfg, results: dict[str, dict]) -> str:
     envs = sorted({e for r in results.values() for e in r["env"]})
     head = "| checkpoint | " + " | ".join(f"{e} avg@{k} (± s.e.)" for e in envs) + \
         " | " + " | ".join(f"{e} pass@{k}" for e in envs) + " | mean avg@k | wall s | config | commit |\n"
-    sep = "|" + "---|" * (4 + 2 * len(envs)) + "\n"
+    sep = "|" + "---|" * (5 + 2 * len(envs)) + "\n"
     lines = []
     for name, r in results.items():
         prov = r["provenance"]
@@ -62,22 +62,93 @@ def bench_section(cfg) -> str:
     return "".join(out)
 
 
+def task_table(cfg, results: dict[str, dict]) -> str:
+    k = cfg.eval.samples
+    tasks = sorted({t for r in results.values() for t in r["task"]})
+    out = ["| task | " + " | ".join(f"{c} avg@{k} / pass@{k}" for c in results) + " |\n",
+           "|---|" + "---|" * len(results) + "\n"]
+    for t in tasks:
+        cells = [f"{r['task'][t][f'avg@{k}']:.3f} / {r['task'][t].get(f'pass@{k}', float('nan')):.3f}"
+                 if t in r["task"] else "-" for r in results.values()]
+        out.append(f"| {t} | " + " | ".join(cells) + " |\n")
+    return "".join(out)
+
+
+def stage_table(cfg) -> str:
+    """Wall time and provenance of every finished stage, from its manifest."""
+    out = ["| stage | wall s | config | commit | command |\n", "|---|---|---|---|---|\n"]
+    for name in ["data", "base", "sft", "rl"]:
+        p = stage_dir(cfg, name) / "manifest.json"
+        if p.exists():
+            m = json.loads(p.read_text())
+            commit = m["git"]["commit"][:10] + ("+dirty" if m["git"]["dirty"] else "")
+            out.append(f"| {name} | {m['wall_s']:.0f} | `{m['config_hash']}` | {commit} | `make {name} "
+                       f"PRESET={cfg.preset}` |\n")
+    return "".join(out)
+
+
+def _read_metrics(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def write_curves(cfg, png: Path) -> bool:
+    """Learning curves (SFT loss, RL reward, masked share, staleness) as one PNG; False when nothing to plot."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = [r for r in _read_metrics(stage_dir(cfg, "base") / "metrics.jsonl") if "loss" in r]
+    sft = [r for r in _read_metrics(stage_dir(cfg, "sft") / "metrics.jsonl") if "loss" in r]
+    rl = _read_metrics(stage_dir(cfg, "rl") / "metrics.jsonl")
+    if not (base or sft or rl):
+        return False
+    fig, ax = plt.subplots(1, 4, figsize=(16, 3.4))
+    ax[0].plot([r["step"] for r in base], [r["loss"] for r in base], label="base (pretraining)")
+    ax[0].plot([r["step"] for r in sft], [r["loss"] for r in sft], label="SFT (assistant tokens)")
+    ax[0].set(title="training loss", xlabel="step")
+    ax[0].legend()
+    steps = [r["step"] for r in rl]
+    ax[1].plot(steps, [r["reward"] for r in rl], label="all")
+    for env in sorted({e for r in rl for e in r.get("reward_by_env", {})}):
+        ax[1].plot(steps, [r["reward_by_env"].get(env, float("nan")) for r in rl], label=env, alpha=0.6)
+    ax[1].set(title="RL reward (rollouts of the step)", xlabel="step")
+    ax[1].legend()
+    ax[2].plot(steps, [r["masked_share"] for r in rl])
+    ax[2].set(title="share of loss tokens masked (ratio band)", xlabel="step")
+    ax[3].plot(steps, [sum(v for a, v in r["staleness"].items() if int(a) > 0) / max(1, sum(r["staleness"].values()))
+                       for r in rl])
+    ax[3].set(title="share of samples from an older policy", xlabel="step")
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=80, metadata={"Software": None})  # no version stamp: same runs, same bytes
+    plt.close(fig)
+    return True
+
+
 def write_report(cfg) -> Path:
+    # the repository's RESULTS.md belongs to the default runs/; other run roots get their own page
+    root = Path(".") if cfg.run_root == "runs" else Path(cfg.run_root)
+    path = root / "RESULTS.md"
     results = load_results(cfg)
     parts = [HEADER, "# Results\n\n",
              f"## Tiny preset (`{cfg.preset}`): held-out accuracy per environment\n\n",
              f"Reproduce: `make all PRESET={cfg.preset}` (or `make eval` after the earlier stages). Accuracy is "
              f"avg@{cfg.eval.samples}: the mean reward over {cfg.eval.samples} samples a problem at temperature "
-             f"{cfg.eval.temperature}, on the held-out split (never in SFT, RL or pretraining data).\n\n",
+             f"{cfg.eval.temperature}, on the held-out split (never in SFT, RL or pretraining data); the mean "
+             "over environments weighs each environment equally.\n\n",
              tiny_table(cfg, results)]
     if results:
+        parts += ["\nPer task:\n\n", task_table(cfg, results)]
         any_prov = next(iter(results.values()))["provenance"]
         hw = any_prov["hardware"]
         parts.append(f"\nHardware: {hw['cpus']} CPUs, {hw['machine']}; packages: " +
                      ", ".join(f"{k} {v}" for k, v in sorted(any_prov["packages"].items())) + "\n")
+    parts += ["\n### Stages\n\n", stage_table(cfg)]
+    png = root / "results" / f"{cfg.preset}_curves.png"
+    if write_curves(cfg, png):
+        parts.append(f"\n![learning curves]({png.relative_to(root)})\n")
     parts += ["\n## Performance: asynchronous against synchronous RL\n\n", bench_section(cfg)]
-    # the repository's RESULTS.md belongs to the default runs/; other run roots get their own page
-    path = Path("RESULTS.md") if cfg.run_root == "runs" else Path(cfg.run_root) / "RESULTS.md"
     write_atomic(path, "".join(parts))
     return path
 
