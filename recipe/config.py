@@ -144,6 +144,7 @@ class RLConfig:
     gen_threads: int = 1
     train_threads: int = 1
     micro_batch_size: int = 64
+    bench_steps: int = 40  # steps of each run of `make bench-rl` (levels 0, 1, 2)
     pin_cores: bool = True  # hf engine on core 1, trainer on core 0: generation and training on separate cores
     # offline filter on rows' precomputed pass rate (the difficulty column of hub data); null = off
     max_pass_rate: Optional[float] = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import time
 
 from omegaconf import OmegaConf
@@ -25,7 +26,7 @@ def bench_level(cfg, level: int, out_dir, eval_rows):
     from recipe.inference.hf import HFEngine
     from recipe.rl.__main__ import run_rl
 
-    run_cfg = OmegaConf.merge(cfg, {"rl": {"max_async_level": level}})
+    run_cfg = OmegaConf.merge(cfg, {"rl": {"max_async_level": level, "max_steps": cfg.rl.bench_steps}})
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     t0 = time.perf_counter()
@@ -69,7 +70,8 @@ def main(cfg):
         print(f"bench-rl: level {r['max_async_level']}: {r['steps_per_hour']:.0f} steps/h "
               f"(x{r['speedup_vs_sync']:.2f} of sync), reward {r['reward_second_half']:.3f}, "
               f"held-out {r['held_out_avg']:.3f}")
-    out = {"results": results, "command": f"make bench-rl PRESET={cfg.preset}",
+    overrides = " ".join(a for a in sys.argv[1:] if not a.startswith(("preset=", "run_root=")))
+    out = {"results": results, "command": f"make bench-rl PRESET={cfg.preset}" + (f' ARGS="{overrides}"' if overrides else ""),
            "provenance": provenance(cfg, "bench-rl", "", started, inputs={}, outputs={})}
     write_atomic(bench_dir / "rl.json", json.dumps(out, indent=2, sort_keys=True))
     write_report(cfg)
