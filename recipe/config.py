@@ -210,6 +210,29 @@ class ConfigError(ValueError):
     pass
 
 
+# string fields with a closed set of values, checked when the config is composed
+CHOICES = {
+    "data.source": ("tiny", "intellect3"),
+    "rl.engine": ("hf", "vllm"),
+    "rl.optimizer": ("adamw", "muon"),
+    "eval.engine": ("hf", "vllm"),
+    "launcher.kind": ("local", "slurm"),
+}
+
+
+def validate(cfg) -> None:
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(cfg, key)
+        if value not in allowed:
+            raise ConfigError(f"config error: {key}={value!r} is not one of {', '.join(allowed)}")
+    for key in ("rl.mask_ratio_low", "rl.temperature", "eval.samples", "rl.rollouts_per_example", "rl.batch_size"):
+        if OmegaConf.select(cfg, key) <= 0:
+            raise ConfigError(f"config error: {key} must be positive, got {OmegaConf.select(cfg, key)}")
+    if any(w < 0 for w in cfg.rl.env_mix.values()) or sum(cfg.rl.env_mix.values()) <= 0:
+        raise ConfigError(f"config error: rl.env_mix needs non-negative weights with a positive sum, "
+                          f"got {dict(cfg.rl.env_mix)}")
+
+
 def load_config(overrides: List[str] | None = None):
     """Compose configs/config.yaml with `key=value` overrides into a validated, read-only config."""
     overrides = list(overrides or [])
@@ -220,6 +243,7 @@ def load_config(overrides: List[str] | None = None):
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.startswith("full_key")]
         msg = "; ".join(lines[:2]) or type(e).__name__
         raise ConfigError(f"config error: {msg}") from None
+    validate(cfg)
     OmegaConf.set_readonly(cfg, True)
     return cfg
 

@@ -50,6 +50,10 @@ def test_overrides_apply():
     ("sft.lrr=1", "lrr"),
     ("sft.lr=abc", "sft.lr"),
     ("rl.max_steps=1.5", "rl.max_steps"),
+    ("rl.engine=tgi", "rl.engine"),
+    ("rl.optimizer=sgd", "rl.optimizer"),
+    ("eval.samples=0", "eval.samples"),
+    ("rl.env_mix.math=-1", "rl.env_mix"),
 ])
 def test_bad_overrides_name_the_problem(override, named):
     with pytest.raises(ConfigError, match=named.replace(".", r"\.")):

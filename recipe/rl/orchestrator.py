@@ -16,6 +16,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from recipe.config import ConfigError
 from recipe.envs import get_env
 from recipe.inference import Completion, SamplingParams
 from recipe.inference.worker import Request
@@ -69,7 +70,8 @@ class Orchestrator:
             self.rows.setdefault(r["env"], []).append(r)
         unknown = sorted(set(rl_cfg.env_mix) - set(self.rows))
         if unknown:
-            raise ValueError(f"rl.env_mix names environment(s) {unknown} with no RL rows (have {sorted(self.rows)})")
+            raise ConfigError(f"rl.env_mix names environment(s) {unknown} with no RL rows "
+                              f"(the data has {sorted(self.rows)})")
         self.envs = {name: get_env(name) for name in self.rows}
         self.mix = [(e, w) for e, w in rl_cfg.env_mix.items() if w > 0]
         self.rng = random.Random(seed)
