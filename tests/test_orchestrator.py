@@ -91,3 +91,13 @@ def test_state_round_trip_resumes_the_same_prompt_stream():
     b = Orchestrator(math_rows(), CharTokenizer(), rl_cfg(), ScriptedEngine(fn), seed=5)
     b.load_state_dict(state)
     assert [a._next_row()["id"] for _ in range(30)] == [b._next_row()["id"] for _ in range(30)]
+
+
+def test_more_groups_are_kept_in_flight_when_many_come_back_filtered():
+    eng = ScriptedEngine(answer_by_index(lambda i: {0}))
+    orch = Orchestrator(math_rows(), CharTokenizer(), rl_cfg(max_async_level=0), eng, seed=0)
+    orch._top_up(2)
+    assert len(orch.inflight) == 2
+    orch.filter_rate = 0.5  # half the recent groups had no signal
+    orch._top_up(2)
+    assert len(orch.inflight) == 4

@@ -37,6 +37,22 @@ def make_engine(cfg, model_path, version: int, log_dir):
 
 def run_rl(cfg, stage_dir, start_model):
     """The RL loop itself; returns the final model folder. Resumes from the newest checkpoint in stage_dir."""
+    rl = cfg.rl
+    torch.manual_seed(rl.seed)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(rl.train_threads)
+    cores_before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if rl.pin_cores and cores_before is not None and (os.cpu_count() or 1) > 1:
+        os.sched_setaffinity(0, {0})  # the engine process takes core 1
+    try:
+        return _rl_loop(cfg, stage_dir, start_model)
+    finally:  # give the cores back: a caller (the bench's eval) runs with all its threads afterwards
+        if cores_before is not None:
+            os.sched_setaffinity(0, cores_before)
+        torch.set_num_threads(threads_before)
+
+
+def _rl_loop(cfg, stage_dir, start_model):
     from accelerate import Accelerator
 
     from recipe.data.schema import read_split
@@ -46,10 +62,6 @@ def run_rl(cfg, stage_dir, start_model):
                                    publish_weights, save_checkpoint, train_step)
 
     rl = cfg.rl
-    torch.manual_seed(rl.seed)
-    torch.set_num_threads(rl.train_threads)
-    if rl.pin_cores and hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
-        os.sched_setaffinity(0, {0})  # the engine process takes core 1
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     model, tokenizer = load_pretrained(str(start_model), dtype=cfg.model.dtype,
                                        attn_implementation=cfg.model.attn_implementation)

@@ -11,6 +11,7 @@
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections import Counter, deque
@@ -86,6 +87,7 @@ class Orchestrator:
         self.counters = Counter()
         self.gen_busy_s = 0.0
         self._last_filtered: list[Group] = []
+        self.filter_rate = 0.0
 
     # -- prompts -------------------------------------------------------------------------------------------
     def _shuffled(self, env: str, epoch: int) -> list[int]:
@@ -105,7 +107,7 @@ class Orchestrator:
 
     def state_dict(self) -> dict:
         return {"cursor": self.cursor, "epoch": self.epoch, "rng": self.rng.getstate(), "next_gid": self.next_gid,
-                "counters": dict(self.counters)}
+                "counters": dict(self.counters), "filter_rate": self.filter_rate}
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor, self.epoch = dict(state["cursor"]), dict(state["epoch"])
@@ -114,6 +116,7 @@ class Orchestrator:
         self.rng.setstate((rng_state[0], tuple(rng_state[1]), rng_state[2]))
         self.next_gid = state["next_gid"]
         self.counters = Counter(state["counters"])
+        self.filter_rate = state.get("filter_rate", 0.0)
 
     # -- scheduling ----------------------------------------------------------------------------------------
     def _params(self, gid: int) -> SamplingParams:
@@ -143,7 +146,10 @@ class Orchestrator:
         With max_async_level=0 nothing runs ahead: the next batch is submitted only after the weights it must
         be sampled with have been sent to the engine.
         """
-        target = need + self.cfg.batch_size * self.cfg.max_async_level
+        # groups come back filtered at about the recent rate: submit enough that the wanted number survive,
+        # so the engine is not left idle waiting for replacements
+        keep = 1.0 - min(self.filter_rate, 0.75)
+        target = math.ceil((need + self.cfg.batch_size * self.cfg.max_async_level) / keep)
         while len(self.inflight) + len(self.ready) < target:
             self._submit_new_group()
 
@@ -176,7 +182,9 @@ class Orchestrator:
             if res.errors:
                 self.counters["reward_errors"] += len(res.errors)
             group.rewards.append(res.reward)
-        if len(set(group.rewards)) == 1:  # no signal: every sample got the same reward
+        flat = len(set(group.rewards)) == 1
+        self.filter_rate = 0.9 * self.filter_rate + 0.1 * flat  # running share of groups filtered out
+        if flat:  # no signal: every sample got the same reward
             self.counters["filtered_all_correct" if group.rewards[0] >= 1 else "filtered_all_wrong"] += 1
             self.counters["rollouts_filtered"] += len(group.rewards)
             self._last_filtered.append(group)
