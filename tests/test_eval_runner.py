@@ -1,0 +1,79 @@
+"""The eval runner with a scripted engine: known completions give exactly the expected metrics; a killed
+eval keeps the problems it finished; the report is byte-for-byte reproducible."""
+import json
+from pathlib import Path
+
+from recipe.config import EvalConfig
+from recipe.eval.runner import evaluate
+from recipe.inference import Completion
+from tests.fakes import CharTokenizer
+
+
+class ScriptedEvalEngine:
+    """Sample s of problem "Qi" answers correctly iff s < correct[i]."""
+
+    def __init__(self, correct: dict[int, int], k: int, fail_after: int | None = None):
+        self.correct, self.k, self.calls, self.fail_after = correct, k, 0, fail_after
+
+    def generate(self, prompts, params):
+        self.calls += 1
+        if self.fail_after is not None and self.calls > self.fail_after:
+            raise KeyboardInterrupt  # stands in for a kill in the middle of the run
+        out = []
+        for j, p in enumerate(prompts):
+            i = int("".join(chr(c) for c in p).split("Q")[1].split("<")[0])
+            s = j % self.k
+            text = f"<think>t</think>\\boxed{{{i if s < self.correct[i] else -1}}}"
+            out.append(Completion([ord(c) for c in text], [0.0] * len(text), "stop", 0))
+        return out
+
+
+def rows(n):
+    return [{"id": f"q{i}", "env": "math", "task": "add" if i % 2 else "sub",
+             "prompt": [{"role": "user", "content": f"Q{i}"}], "answer": str(i), "info": "{}"} for i in range(n)]
+
+
+def test_known_completions_give_exact_metrics(tmp_path):
+    correct = {0: 4, 1: 0, 2: 1, 3: 2}  # correct samples out of 4 for each problem
+    cfg = EvalConfig(samples=4, pass_k=[1, 2, 4], batch_size=8)
+    res = evaluate(ScriptedEvalEngine(correct, 4), CharTokenizer(), rows(4), cfg, tmp_path)
+    m = res["env"]["math"]
+    assert m["avg@4"] == (1 + 0 + 0.25 + 0.5) / 4
+    assert m["pass@1"] == m["avg@4"]
+    assert m["pass@4"] == 3 / 4
+    assert abs(m["pass@2"] - (1 + 0 + 0.5 + (1 - 1 / 6)) / 4) < 1e-12  # 1 - C(n-c,2)/C(4,2)
+    assert res["task"]["math/sub"]["avg@4"] == (1 + 0.25) / 2
+    lines = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(lines) == 16 and {ln["reason"] for ln in lines} == {"correct", "wrong answer"}
+
+
+def test_a_killed_eval_keeps_finished_problems_and_resumes(tmp_path):
+    correct = {i: i % 5 for i in range(10)}
+    cfg = EvalConfig(samples=4, pass_k=[1], batch_size=8)  # 2 problems a call
+    try:
+        evaluate(ScriptedEvalEngine(correct, 4, fail_after=3), CharTokenizer(), rows(10), cfg, tmp_path)
+    except KeyboardInterrupt:
+        pass
+    with open(tmp_path / "samples.jsonl", "a") as f:
+        f.write('{"id": "q9", "cut by the kill')  # a half-written line
+    resumed = ScriptedEvalEngine(correct, 4)
+    res = evaluate(resumed, CharTokenizer(), rows(10), cfg, tmp_path)
+    assert resumed.calls == 2  # only the 4 problems not finished before the kill
+    full = evaluate(ScriptedEvalEngine(correct, 4), CharTokenizer(), rows(10), cfg, tmp_path / "fresh")
+    assert res["env"] == full["env"]
+
+
+def test_report_twice_on_the_same_runs_writes_the_same_bytes(tmp_path):
+    import shutil
+
+    from recipe.config import load_config
+    from recipe.eval.report import write_report
+
+    src = Path(__file__).parent / "data" / "runs_min"
+    shutil.copytree(src, tmp_path / "runs")
+    cfg = load_config([f"run_root={tmp_path / 'runs'}"])
+    first = write_report(cfg).read_bytes()
+    png = (tmp_path / "runs" / "results" / "tiny_curves.png").read_bytes()
+    second = write_report(cfg).read_bytes()
+    assert first == second and b"| sft |" in first and b"| rl |" in first
+    assert (tmp_path / "runs" / "results" / "tiny_curves.png").read_bytes() == png
