@@ -148,9 +148,8 @@ class Orchestrator:
         """
         # groups come back filtered at about the recent rate: submit enough that the wanted number survive,
         # so the engine is not left idle waiting for replacements
-        # (the look-ahead batches are not inflated: their surplus would go stale before it is used)
         keep = 1.0 - min(self.filter_rate, 0.75)
-        target = math.ceil(need / keep) + self.cfg.batch_size * self.cfg.max_async_level
+        target = math.ceil((need + self.cfg.batch_size * self.cfg.max_async_level) / keep)
         while len(self.inflight) + len(self.ready) < target:
             self._submit_new_group()
 
