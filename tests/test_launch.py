@@ -46,8 +46,8 @@ def test_sbatch_script_is_written_and_parses(tmp_path, capsys):
     assert len(trainer) == 1 and "--num_processes 128" in trainer[0] and "--num_machines 16" in trainer[0]
     assert "-m recipe.rl preset=intellect3" in trainer[0] and "rl.max_steps=5" in trainer[0]
     assert trainer[0].count("preset=") == 1
-    assert "--tensor-parallel-size 8" in text and "serve intellect3/sft/model" not in text
-    assert f"serve {tmp_path}/intellect3/sft/model" in text
+    assert "--tensor-parallel-size 8" in text and "--model intellect3/sft/model" not in text
+    assert f"--model {tmp_path}/intellect3/sft/model" in text
     assert "RECIPE_VLLM_URLS" in text and 'cd "$SLURM_SUBMIT_DIR"' in text
     assert str(REPO) not in text and sys.executable not in text  # nothing names a path of this machine
     assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
@@ -59,7 +59,7 @@ def test_default_run_root_keeps_paths_relative(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # run_root=runs is relative: written under the working folder
     script = launch(load_config(["preset=intellect3"]), ["preset=intellect3"])
     text = script.read_text()
-    assert "serve runs/intellect3/sft/model" in text and "--output=runs/intellect3/launch/rl-%j.out" in text
+    assert "--model runs/intellect3/sft/model" in text and "--output=runs/intellect3/launch/rl-%j.out" in text
 
 
 def test_inconsistent_nodes_name_the_launcher_fields(tmp_path):
