@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from recipe.data.schema import write_rows
+from recipe.data.schema import TEXT_SCHEMA, write_parquet, write_rows
 from recipe.runs import Stage, stage_main, write_atomic
 
 
@@ -34,18 +34,8 @@ def main(cfg):
     files = {}
     for split, rows in splits.items():
         path = stage.dir / f"{split}.parquet"
-        if split == "pretrain":  # plain text for the tiny base model, not schema rows
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
-            sink = pa.BufferOutputStream()
-            pq.write_table(pa.Table.from_pylist(rows, schema=pa.schema([("text", pa.string())])), sink)
-            write_atomic(path, sink.getvalue().to_pybytes())
-            from recipe.runs import sha256_file
-
-            sha = sha256_file(path)
-        else:
-            sha = write_rows(rows, path)
+        # pretrain holds plain text for the tiny base model; every other split is schema rows
+        sha = write_parquet(rows, TEXT_SCHEMA, path) if split == "pretrain" else write_rows(rows, path)
         files[path.name] = {"rows": len(rows), "sha256": sha}
         print(f"data: {split:9s} {len(rows):7d} rows -> {path}")
     write_atomic(stage.dir / "data_manifest.json", json.dumps({"files": files}, indent=2, sort_keys=True))

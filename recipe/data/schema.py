@@ -28,6 +28,7 @@ SCHEMA = pa.schema([
     ("tools", pa.string()),
 ])
 REQUIRED = [f.name for f in SCHEMA]
+TEXT_SCHEMA = pa.schema([("text", pa.string())])  # plain pretraining text (tiny base model only)
 
 
 class DataError(StageError):
@@ -44,9 +45,13 @@ def write_rows(rows: list[dict], path: Path) -> str:
         missing = [k for k in REQUIRED if k not in row]
         if missing:
             raise DataError(f"{path}: row {i} lacks key(s) {missing}")
-    table = pa.Table.from_pylist(rows, schema=SCHEMA)
+    return write_parquet(rows, SCHEMA, path)
+
+
+def write_parquet(rows: list[dict], schema: pa.Schema, path: Path) -> str:
+    """Write rows as parquet atomically; returns the file's sha256."""
     sink = pa.BufferOutputStream()
-    pq.write_table(table, sink)
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), sink)
     write_atomic(path, sink.getvalue().to_pybytes())
     return sha256_file(path)
 

@@ -46,8 +46,12 @@ def main(cfg):
     rows = read_split(data_dir, "eval")
     if cfg.eval.max_problems_per_task:
         per_task: dict[str, int] = {}
-        rows = [r for r in rows if per_task.setdefault(r["task"], 0) < cfg.eval.max_problems_per_task
-                and not per_task.update({r["task"]: per_task[r["task"]] + 1})]
+        kept = []
+        for r in rows:
+            per_task[r["task"]] = per_task.get(r["task"], 0) + 1
+            if per_task[r["task"]] <= cfg.eval.max_problems_per_task:
+                kept.append(r)
+        rows = kept
     stage.dir.mkdir(parents=True, exist_ok=True)
     for name in cfg.eval.checkpoints:
         path = checkpoint_path(cfg, name)

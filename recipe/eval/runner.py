@@ -14,7 +14,7 @@ from recipe.envs import get_env
 from recipe.envs.base import parse_final_answer
 from recipe.eval.metrics import breakdown
 from recipe.inference import SamplingParams
-from recipe.model import encode_prompt
+from recipe.model import completion_text, encode_prompt
 
 
 def _reason(completion, reward: float, finish: str, errors: list) -> str:
@@ -61,8 +61,7 @@ def evaluate(engine, tokenizer, rows: list[dict], eval_cfg, out_dir: Path, desc:
             env = get_env(row["env"])
             for s in range(k):
                 c = completions[i * k + s]
-                text = tokenizer.decode(c.token_ids, skip_special_tokens=False)
-                text = text.split("<|endoftext|>")[0]
+                text = completion_text(tokenizer, c.token_ids)
                 res = env.score(text, row)
                 lines.append({"id": row["id"], "env": row["env"], "task": row["task"], "sample": s,
                               "completion": text, "score": res.reward, "tokens": len(c.token_ids),

@@ -116,3 +116,8 @@ def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
     msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
     text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     return tokenizer.encode(text, add_special_tokens=False)
+
+
+def completion_text(tokenizer, token_ids: list[int]) -> str:
+    """The completion as the environments see it: decoded, cut at the end-of-text stop token."""
+    return tokenizer.decode(token_ids, skip_special_tokens=False).split("<|endoftext|>")[0]

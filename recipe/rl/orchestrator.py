@@ -21,7 +21,7 @@ from recipe.config import ConfigError
 from recipe.envs import get_env
 from recipe.inference import Completion, SamplingParams
 from recipe.inference.worker import Request
-from recipe.model import encode_prompt
+from recipe.model import completion_text, encode_prompt
 
 
 @dataclass
@@ -177,7 +177,7 @@ class Orchestrator:
         env = self.envs[group.row["env"]]
         for s in range(self.cfg.rollouts_per_example):
             c: Completion = group.completions[s]
-            text = self.tokenizer.decode(c.token_ids, skip_special_tokens=False).split("<|endoftext|>")[0]
+            text = completion_text(self.tokenizer, c.token_ids)
             res = env.score(text, group.row)
             if res.errors:
                 self.counters["reward_errors"] += len(res.errors)
