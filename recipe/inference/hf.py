@@ -43,32 +43,64 @@ class HFEngine:
         return out
 
     def _generate_batch(self, prompts, params: SamplingParams, gen: torch.Generator) -> list[Completion]:
+        """A KV-cached decode loop that drops finished rows at every step.
+
+        transformers' generate() keeps every row until the longest is done, so one rambling sample makes the
+        whole batch pay for max_new_tokens; here a step costs only the rows still running.
+        """
+        from transformers import DynamicCache
+
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(input_ids)
         for row, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
             input_ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # each prompt starts at position 0, as in training
         greedy = params.temperature <= 0
-        # seed the global RNG from our generator: generate() samples with torch.multinomial on it
-        torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=gen)))
-        res = self.model.generate(
-            input_ids=input_ids, attention_mask=mask, max_new_tokens=params.max_new_tokens,
-            do_sample=not greedy, temperature=None if greedy else params.temperature,
-            top_p=None if greedy else params.top_p, top_k=None if greedy else 0,
-            eos_token_id=self.stop_ids, pad_token_id=self.pad_id, output_logits=True,
-            return_dict_in_generate=True,
-        )
-        new = res.sequences[:, width:]
-        logits = torch.stack(res.logits, dim=1).float()  # [batch, new, vocab], before any processing
-        logp = torch.log_softmax(logits / (1.0 if greedy else params.temperature), dim=-1)
-        token_logp = logp.gather(-1, new.unsqueeze(-1)).squeeze(-1)
-        out = []
-        stops = set(self.stop_ids)
-        for row in range(len(prompts)):
-            ids = new[row].tolist()
-            n = next((j + 1 for j, t in enumerate(ids) if t in stops), len(ids))
-            out.append(Completion(token_ids=ids[:n], logprobs=token_logp[row, :n].tolist(),
-                                  finish_reason="stop" if ids[n - 1] in stops else "length",
-                                  policy_version=self.policy_version))
-        return out
+        stops = torch.tensor(self.stop_ids, dtype=torch.long)
+        cache = DynamicCache(config=self.model.config)
+        logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                            past_key_values=cache, use_cache=True).logits[:, -1].float()
+        live = torch.arange(len(prompts))  # original row of each row still running
+        next_pos = positions[:, -1] + 1
+        steps = []  # (rows, tokens, logprobs) of every decode step
+        for t in range(params.max_new_tokens):
+            logp = torch.log_softmax(logits / (1.0 if greedy else params.temperature), dim=-1)
+            if greedy:
+                tok = logp.argmax(-1)
+            else:
+                tok = torch.multinomial(_top_p(logp, params.top_p).exp(), 1, generator=gen).squeeze(1)
+            steps.append((live, tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)))
+            running = ~torch.isin(tok, stops)
+            if t == params.max_new_tokens - 1 or not running.any():
+                break
+            if not running.all():
+                keep = running.nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                live, tok, mask, next_pos = live[keep], tok[keep], mask[keep], next_pos[keep]
+            mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype)], dim=1)
+            logits = self.model(input_ids=tok.unsqueeze(1), attention_mask=mask, position_ids=next_pos.unsqueeze(1),
+                                past_key_values=cache, use_cache=True).logits[:, -1].float()
+            next_pos = next_pos + 1
+        ids: list[list[int]] = [[] for _ in prompts]
+        lps: list[list[float]] = [[] for _ in prompts]
+        for rows, toks, lp in steps:
+            for r, tk, l in zip(rows.tolist(), toks.tolist(), lp.tolist()):
+                ids[r].append(tk)
+                lps[r].append(l)
+        stop_set = set(self.stop_ids)
+        return [Completion(token_ids=ids[r], logprobs=lps[r],
+                           finish_reason="stop" if ids[r] and ids[r][-1] in stop_set else "length",
+                           policy_version=self.policy_version) for r in range(len(prompts))]
+
+
+def _top_p(logp: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filter on log-probabilities: keep the smallest set of tokens whose mass reaches top_p."""
+    if top_p >= 1.0:
+        return logp
+    sorted_lp, order = logp.sort(dim=-1, descending=True)
+    cum = sorted_lp.exp().cumsum(-1)
+    drop_sorted = cum - sorted_lp.exp() >= top_p  # tokens after the mass is already reached
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logp.masked_fill(drop, float("-inf"))
