@@ -9,20 +9,26 @@ STAMP := $(VENV)/.installed
 RUN := $(PY) -m
 OVERRIDES := preset=$(PRESET) $(ARGS)
 
-.PHONY: all setup data base sft rl eval report test bench-rl plan lock clean help
+.PHONY: all setup data base sft rl eval report test bench-rl bench-sandbox plan lock clean help
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make all      data, base, sft, rl, eval on PRESET=$(PRESET), then RESULTS.md"
 	@echo "make test     unit tests and the end-to-end tiny pipeline"
-	@echo "stages: data base sft rl eval report; bench-rl; plan (SLURM dry run); setup; clean"
+	@echo "stages: data base sft rl eval report; bench-rl bench-sandbox; plan (SLURM dry run); setup; clean"
 
 all: data base sft rl eval
 
 # A fresh machine gets a virtual environment with the exact, locked CPU environment; the stamp re-runs
-# the install whenever the pins change.
+# the install whenever the pins change. Best effort, never failing: bubblewrap for the code sandbox
+# (recipe/sandbox; without it model-written code runs under weaker rlimit-only isolation).
 setup: $(STAMP)
 $(STAMP): pyproject.toml requirements.lock
+	@if command -v bwrap >/dev/null; then echo "sandbox: bubblewrap found"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap \
+	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; }; } >/dev/null 2>&1; \
+	then echo "sandbox: installed bubblewrap"; \
+	else echo "sandbox: bubblewrap not installed (apt-get install bubblewrap); code runs under rlimit-only isolation"; fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip==25.3"
 	$(PY) -m pip install --quiet -r requirements.lock
@@ -44,6 +50,8 @@ report: setup
 
 bench-rl: sft
 	$(RUN) recipe.rl.bench $(OVERRIDES)
+bench-sandbox: setup
+	$(RUN) recipe.sandbox.bench $(OVERRIDES)
 
 test: setup
 	$(PY) -m pytest -q -x tests
