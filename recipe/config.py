@@ -157,6 +157,23 @@ class RLConfig:
 
 
 @dataclass
+class BenchmarkConfig:
+    """One benchmark of recipe/eval/benchmarks.py to run; null settings take the registry's (the paper's k) or,
+    for sampling, eval.temperature / top_p / max_new_tokens."""
+
+    name: str = ""
+    samples: Optional[int] = None  # k of avg@k
+    pass_k: Optional[List[int]] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    max_new_tokens: Optional[int] = None
+    max_problems: Optional[int] = None  # cap, for smoke runs
+    # contest-date window (YYYY-MM-DD, both ends included) of benchmarks whose rows carry one (LiveCodeBench)
+    contest_date_from: Optional[str] = None
+    contest_date_to: Optional[str] = None
+
+
+@dataclass
 class EvalConfig:
     engine: str = "hf"  # hf | vllm
     checkpoints: List[str] = field(default_factory=lambda: ["base", "sft", "rl"])
@@ -169,6 +186,11 @@ class EvalConfig:
     max_problems_per_task: Optional[int] = None
     threads: int = 2
     seed: int = 1234
+    held_out: bool = True  # the held-out suite of `make data` (false: benchmarks only)
+    # the paper's benchmarks (recipe/eval/benchmarks.py), each with its own k and sampling settings
+    benchmarks: List[BenchmarkConfig] = field(default_factory=list)
+    benchmark_max_problems: Optional[int] = None  # cap for every benchmark without its own, for smoke runs
+    hub_timeout_s: float = 10.0  # how long the hub may take to confirm a benchmark's pinned revision
 
 
 @dataclass
@@ -231,6 +253,48 @@ def validate(cfg) -> None:
     if any(w < 0 for w in cfg.rl.env_mix.values()) or sum(cfg.rl.env_mix.values()) <= 0:
         raise ConfigError(f"config error: rl.env_mix needs non-negative weights with a positive sum, "
                           f"got {dict(cfg.rl.env_mix)}")
+    validate_benchmarks(cfg.eval)
+
+
+def validate_benchmarks(ev) -> None:
+    from datetime import date
+
+    from recipe.eval.benchmarks import REGISTRY  # stdlib-only module: cheap, and no import cycle
+
+    seen = set()
+    for i, b in enumerate(ev.benchmarks):
+        key = f"eval.benchmarks[{i}]"
+        if b.name not in REGISTRY:
+            raise ConfigError(f"config error: {key}.name={b.name!r} is not a known benchmark "
+                              f"(known: {', '.join(REGISTRY)})")
+        if b.name in seen:
+            raise ConfigError(f"config error: {key}.name={b.name!r} is listed twice")
+        seen.add(b.name)
+        spec = REGISTRY[b.name]
+        samples = b.samples if b.samples is not None else spec.samples
+        for field_name in ("samples", "max_new_tokens", "max_problems"):
+            value = getattr(b, field_name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"config error: {key}.{field_name} must be positive, got {value}")
+        if b.pass_k is not None and (not b.pass_k or min(b.pass_k) < 1 or max(b.pass_k) > samples):
+            raise ConfigError(f"config error: {key}.pass_k={list(b.pass_k)} must lie in 1..samples ({samples})")
+        if b.temperature is not None and b.temperature < 0:
+            raise ConfigError(f"config error: {key}.temperature must be >= 0, got {b.temperature}")
+        if b.top_p is not None and not 0 < b.top_p <= 1:
+            raise ConfigError(f"config error: {key}.top_p must be in (0, 1], got {b.top_p}")
+        for field_name in ("contest_date_from", "contest_date_to"):
+            value = getattr(b, field_name)
+            if value is None:
+                continue
+            if spec.contest_dates is None:
+                raise ConfigError(f"config error: {key}.{field_name}: {b.name} rows carry no contest date")
+            try:
+                date.fromisoformat(value)
+            except ValueError:
+                raise ConfigError(f"config error: {key}.{field_name}={value!r} is not a YYYY-MM-DD date") from None
+    if ev.benchmark_max_problems is not None and ev.benchmark_max_problems <= 0:
+        raise ConfigError(f"config error: eval.benchmark_max_problems must be positive, "
+                          f"got {ev.benchmark_max_problems}")
 
 
 def load_config(overrides: List[str] | None = None):

@@ -1,9 +1,12 @@
 """Verifiable environments: a dataset's rows, a parser for the model's answer and a rubric of weighted rewards."""
-from recipe.envs.base import Environment, RewardResult, parse_final_answer
+from recipe.envs.base import Environment, MaskSample, RewardResult, parse_final_answer
+from recipe.envs.code import CodeEnv
+from recipe.envs.exact import ExactEnv
 from recipe.envs.logic import LogicEnv
 from recipe.envs.math import MathEnv
+from recipe.envs.science import ScienceEnv
 
-ENVIRONMENTS = {"math": MathEnv, "logic": LogicEnv}
+ENVIRONMENTS = {"math": MathEnv, "logic": LogicEnv, "science": ScienceEnv, "code": CodeEnv, "exact": ExactEnv}
 
 
 def get_env(name: str) -> Environment:
@@ -12,4 +15,4 @@ def get_env(name: str) -> Environment:
     return ENVIRONMENTS[name]()
 
 
-__all__ = ["Environment", "RewardResult", "parse_final_answer", "get_env", "ENVIRONMENTS"]
+__all__ = ["Environment", "MaskSample", "RewardResult", "parse_final_answer", "get_env", "ENVIRONMENTS"]

@@ -2,7 +2,9 @@
 
 An environment turns a schema row into a prompt, parses the final answer out of a completion (the text after
 </think>), and scores it with a rubric: weighted reward functions whose weighted sum is the reward. A reward
-function that raises is caught, counted and reported; it never stops a run.
+function that raises is caught, counted and reported; it never stops a run. One that raises MaskSample (the
+verifier itself could not judge, e.g. a broken sandbox) masks the sample: it is neither right nor wrong, so eval
+leaves it out of its metrics (and RL can drop it, from RewardResult.masked) rather than count it as 0.
 """
 from __future__ import annotations
 
@@ -21,11 +23,17 @@ def parse_final_answer(completion: str) -> str | None:
     return completion.rsplit(THINK_END, 1)[1].strip()
 
 
+class MaskSample(Exception):
+    """Raised by a reward function when the sample cannot be judged; the message says why."""
+
+
 @dataclass
 class RewardResult:
     reward: float
     metrics: dict = field(default_factory=dict)
     errors: list = field(default_factory=list)
+    masked: bool = False  # not judged (infrastructure failure): drop the sample, do not score it 0
+    mask_reason: str | None = None
 
 
 class Environment:
@@ -38,14 +46,19 @@ class Environment:
 
     def score(self, completion: str, row: dict) -> RewardResult:
         answer = parse_final_answer(completion)
-        metrics, errors, total = {"formatted": float(answer is not None)}, [], 0.0
+        metrics, errors, total, masked = {"formatted": float(answer is not None)}, [], 0.0, []
         for name, fn, weight in self.rubric:
             try:
                 value = float(fn(answer, row)) if answer is not None else 0.0
+            except MaskSample as e:
+                masked.append(f"{name}: {e}")
+                value = 0.0
             except Exception as e:  # a verifier bug must cost one sample, not the run
                 log.warning("reward function %s.%s failed: %s", self.name, name, e)
                 errors.append(f"{name}: {type(e).__name__}: {e}")
                 value = 0.0
             metrics[name] = value
             total += weight * value
+        if masked:
+            return RewardResult(reward=0.0, metrics=metrics, errors=errors, masked=True, mask_reason="; ".join(masked))
         return RewardResult(reward=total, metrics=metrics, errors=errors)

@@ -1,15 +1,27 @@
-"""`make eval`: every finished checkpoint (base, sft, rl) on the held-out suite, then RESULTS.md."""
+"""`make eval`: every finished checkpoint (base, sft, rl) on the held-out suite and on the paper's benchmarks
+that eval.benchmarks lists (each with its own k and sampling), then RESULTS.md.
+
+Output: eval/<checkpoint>/{results.json, samples.jsonl} for the held-out suite and
+eval/<checkpoint>/<benchmark>/{results.json, samples.jsonl} for each benchmark; one engine serves them all.
+"""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import time
+from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
 from recipe.config import config_hash
 from recipe.runs import (STAGE_KEYS, Stage, StageError, provenance, sha256_tree, stage_dir, stage_main,
                          write_atomic)
+
+# eval keys that only concern the benchmarks: left out of the held-out suite's key, so that adding a benchmark
+# does not redo the held-out eval (and the key stays what it was before these keys existed)
+BENCHMARK_KEYS = ("held_out", "benchmarks", "benchmark_max_problems", "hub_timeout_s")
 
 
 def checkpoint_path(cfg, name: str):
@@ -34,16 +46,23 @@ def make_eval_engine(cfg, path, out_dir):
     raise ValueError(f"eval.engine must be 'hf' or 'vllm', got '{cfg.eval.engine}'")
 
 
-@stage_main
-def main(cfg):
-    from recipe.data.schema import read_split
-    from recipe.eval.report import write_report
-    from recipe.eval.runner import evaluate
+def sandbox_available() -> bool:
+    return importlib.util.find_spec("recipe.sandbox") is not None
 
-    torch.set_num_threads(cfg.eval.threads)
-    stage = Stage(cfg, "eval")
-    data_dir = stage_dir(cfg, "data")
-    rows = read_split(data_dir, "eval")
+
+def _sha(data) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def held_out_hash(cfg) -> str:
+    ev = OmegaConf.to_container(cfg.eval, resolve=True)
+    return _sha({"eval": {k: v for k, v in ev.items() if k not in BENCHMARK_KEYS}})
+
+
+def held_out_rows(cfg) -> list[dict]:
+    from recipe.data.schema import read_split
+
+    rows = read_split(stage_dir(cfg, "data"), "eval")
     if cfg.eval.max_problems_per_task:
         per_task: dict[str, int] = {}
         kept = []
@@ -52,6 +71,40 @@ def main(cfg):
             if per_task[r["task"]] <= cfg.eval.max_problems_per_task:
                 kept.append(r)
         rows = kept
+    return rows
+
+
+def _finished(results_path: Path, key: str) -> bool:
+    """Same key and nothing masked (a rerun retries masked problems)."""
+    if not results_path.exists():
+        return False
+    res = json.loads(results_path.read_text())
+    return res.get("key") == key and not res.get("masked_problems")
+
+
+def _clear_files(folder: Path) -> None:
+    """Another model or eval config: start over. Files only: benchmark folders sit beside them."""
+    for f in folder.iterdir():
+        if f.is_file():
+            f.unlink()
+
+
+@stage_main
+def main(cfg):
+    from recipe.eval.benchmarks import load_benchmark, resolve, run_benchmark
+    from recipe.eval.report import write_report
+    from recipe.eval.runner import evaluate
+
+    torch.set_num_threads(cfg.eval.threads)
+    stage = Stage(cfg, "eval")
+    data_dir = stage_dir(cfg, "data")
+    rows = held_out_rows(cfg) if cfg.eval.held_out else []
+    specs = [resolve(b, cfg.eval) for b in cfg.eval.benchmarks]
+    for spec in specs:  # before any model loads
+        if spec.env == "code" and not sandbox_available():
+            raise StageError(f"eval: {spec.title} is scored by running programs in recipe.sandbox, which this "
+                             f"checkout lacks; drop {spec.name} from eval.benchmarks or add the sandbox")
+    bench_rows: dict[str, list[dict]] = {}
     stage.dir.mkdir(parents=True, exist_ok=True)
     for name in cfg.eval.checkpoints:
         path = checkpoint_path(cfg, name)
@@ -59,30 +112,61 @@ def main(cfg):
             print(f"eval: checkpoint '{name}' not finished ({stage_dir(cfg, name)}); skipped: run `make {name}`")
             continue
         out = stage.dir / name
-        model_sha = hashlib.sha256(json.dumps(sha256_tree(path), sort_keys=True).encode()).hexdigest()[:16] \
-            if not isinstance(path, str) else f"{path}@{cfg.model.revision}"
-        key = f"{config_hash(cfg, ['eval'])}-{model_sha}-{len(rows)}"
-        results_path = out / "results.json"
-        if results_path.exists() and json.loads(results_path.read_text()).get("key") == key:
-            print(f"eval: {name} already evaluated ({results_path}); nothing to do")
+        out.mkdir(parents=True, exist_ok=True)
+        model_sha = _sha(sha256_tree(path)) if not isinstance(path, str) else f"{path}@{cfg.model.revision}"
+        jobs = []
+        if cfg.eval.held_out:
+            key = f"{held_out_hash(cfg)}-{model_sha}-{len(rows)}"
+            if _finished(out / "results.json", key):
+                print(f"eval: {name} already evaluated ({out / 'results.json'}); nothing to do")
+            else:
+                if (out / "results.json").exists():
+                    _clear_files(out)
+                jobs.append((None, key))
+        for spec in specs:
+            bout = out / spec.name
+            key = f"{_sha([spec.protocol(), cfg.eval.batch_size, cfg.eval.seed])}-{model_sha}"
+            if _finished(bout / "results.json", key):
+                print(f"eval: {name} {spec.title} already evaluated ({bout / 'results.json'}); nothing to do")
+                continue
+            res_path = bout / "results.json"
+            if res_path.exists() and json.loads(res_path.read_text()).get("key") != key:
+                _clear_files(bout)
+            jobs.append((spec, key))
+        if not jobs:
             continue
-        if results_path.exists():  # another model or eval config: start this checkpoint over
-            for f in out.iterdir():
-                f.unlink()
-        started = time.time()
+        for spec, _ in jobs:  # every dataset is in hand before the engine starts: a hub failure costs seconds
+            if spec is not None and spec.name not in bench_rows:
+                bench_rows[spec.name] = load_benchmark(spec, timeout=cfg.eval.hub_timeout_s)
         engine = make_eval_engine(cfg, path, out)
         try:
-            res = evaluate(engine, engine.tokenizer, rows, cfg.eval, out, desc=f"eval {name}")
+            for spec, key in jobs:
+                started = time.time()
+                if spec is None:
+                    res = evaluate(engine, engine.tokenizer, rows, cfg.eval, out, desc=f"eval {name}")
+                    res_path, inputs = out / "results.json", {"model": path, "eval_data": data_dir / "eval.parquet"}
+                    summary = ", ".join(f"{e} {v.get(f'avg@{cfg.eval.samples}', 0):.3f}" for e, v in res["env"].items())
+                    label = name
+                else:
+                    bout = out / spec.name
+                    res = run_benchmark(engine, engine.tokenizer, spec, bench_rows[spec.name], bout,
+                                        cfg.eval.batch_size, cfg.eval.seed, desc=f"eval {name} {spec.title}")
+                    res_path, inputs = bout / "results.json", {"model": path,
+                                                               "benchmark": f"{spec.hub_id}@{spec.revision}"}
+                    b = res["benchmark"]
+                    summary = f"avg@{spec.samples} {b.get(f'avg@{spec.samples}', float('nan')):.3f} over " \
+                              f"{b['problems']} problems" + (f", {res['masked_problems']} masked"
+                                                             if res.get("masked_problems") else "")
+                    label = f"{name} {spec.title}"
+                res.update({"key": key, "checkpoint": name, "model_sha": model_sha})
+                where = f"eval/{name}" + (f"/{spec.name}" if spec else "")
+                res["provenance"] = provenance(cfg, where, config_hash(cfg, STAGE_KEYS["eval"]), started,
+                                               inputs=inputs, outputs={"samples": res_path.parent / "samples.jsonl"})
+                write_atomic(res_path, json.dumps(res, indent=2, sort_keys=True))
+                print(f"eval: {label}: {summary}")
         finally:
             if hasattr(engine, "close"):
                 engine.close()
-        res.update({"key": key, "checkpoint": name, "model_sha": model_sha})
-        res["provenance"] = provenance(cfg, f"eval/{name}", config_hash(cfg, STAGE_KEYS["eval"]), started,
-                                       inputs={"model": path, "eval_data": data_dir / "eval.parquet"},
-                                       outputs={"samples": out / "samples.jsonl"})
-        write_atomic(results_path, json.dumps(res, indent=2, sort_keys=True))
-        print(f"eval: {name}: " + ", ".join(f"{e} {v.get(f'avg@{cfg.eval.samples}', 0):.3f}"
-                                             for e, v in res["env"].items()))
     path = write_report(cfg)
     print(f"eval: wrote {path}")
 

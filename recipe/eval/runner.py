@@ -1,7 +1,8 @@
 """The eval runner: k samples a problem on any engine, scored by the problem's environment.
 
 Resumable per problem: every finished problem's samples are appended to samples.jsonl (completion, score and
-reason), and a rerun skips the problems already there.
+reason), and a rerun skips the problems already there. A masked sample (the verifier could not judge it, e.g. a
+broken sandbox) is written with masked=true; its problem is left out of the metrics and redone by a rerun.
 """
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ from recipe.inference import SamplingParams
 from recipe.model import completion_text, encode_prompt
 
 
-def _reason(completion, reward: float, finish: str, errors: list) -> str:
+def _reason(completion, reward: float, finish: str, errors: list, mask_reason: str | None = None) -> str:
+    if mask_reason:
+        return "masked: " + mask_reason
     if errors:
         return "verifier error: " + "; ".join(errors)
     if parse_final_answer(completion) is None:
@@ -38,11 +41,16 @@ def load_done(path: Path, k: int) -> dict[str, list[dict]]:
     return {pid: recs for pid, recs in done.items() if len(recs) >= k}
 
 
+def is_masked(recs: list[dict]) -> bool:
+    return any(r.get("masked") for r in recs)
+
+
 def evaluate(engine, tokenizer, rows: list[dict], eval_cfg, out_dir: Path, desc: str = "eval") -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     samples_path = out_dir / "samples.jsonl"
     k = eval_cfg.samples
-    done = load_done(samples_path, k)
+    # masked problems are redone: the verifier may work now
+    done = {pid: recs for pid, recs in load_done(samples_path, k).items() if not is_masked(recs[:k])}
     # rewrite only complete problems, so partial lines from a killed run do not linger
     with open(samples_path, "w") as f:
         for recs in done.values():
@@ -65,7 +73,8 @@ def evaluate(engine, tokenizer, rows: list[dict], eval_cfg, out_dir: Path, desc:
                 res = env.score(text, row)
                 lines.append({"id": row["id"], "env": row["env"], "task": row["task"], "sample": s,
                               "completion": text, "score": res.reward, "tokens": len(c.token_ids),
-                              "reason": _reason(text, res.reward, c.finish_reason, res.errors)})
+                              "masked": res.masked,
+                              "reason": _reason(text, res.reward, c.finish_reason, res.errors, res.mask_reason)})
         with open(samples_path, "a") as f:
             f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in lines)
         bar.update(len(chunk))
@@ -73,11 +82,25 @@ def evaluate(engine, tokenizer, rows: list[dict], eval_cfg, out_dir: Path, desc:
     return results_from_samples(samples_path, rows, eval_cfg)
 
 
+def problem_records(samples_path: Path, rows: list[dict], k: int) -> tuple[list[dict], list[str]]:
+    """(one record of env, task and k scores per judged problem, ids of the problems with a masked sample)."""
+    done = load_done(samples_path, k)
+    records, masked = [], []
+    for r in rows:
+        recs = sorted(done[r["id"]], key=lambda s: s["sample"])[:k]
+        if is_masked(recs):
+            masked.append(r["id"])
+        else:
+            records.append({"env": r["env"], "task": r["task"], "scores": [s["score"] for s in recs]})
+    return records, masked
+
+
 def results_from_samples(samples_path: Path, rows: list[dict], eval_cfg) -> dict:
-    done = load_done(samples_path, eval_cfg.samples)
-    records = [{"env": r["env"], "task": r["task"], "scores": [s["score"] for s in
-                sorted(done[r["id"]], key=lambda s: s["sample"])][:eval_cfg.samples]} for r in rows]
+    records, masked = problem_records(samples_path, rows, eval_cfg.samples)
     out = breakdown(records, list(eval_cfg.pass_k))
+    done = load_done(samples_path, eval_cfg.samples)
     tokens = [s["tokens"] for recs in done.values() for s in recs]
     out["mean_completion_tokens"] = sum(tokens) / max(1, len(tokens))
+    if masked:  # not judged: left out of every metric above, and counted here
+        out["masked_problems"] = len(masked)
     return out

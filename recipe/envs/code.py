@@ -1,0 +1,83 @@
+"""Code: the last ```python block of the final answer, run against the row's tests in recipe.sandbox.
+
+reward = the fraction of tests passed, or, for rows whose info sets `all_tests_must_pass` (LiveCodeBench's
+pass criterion), 1.0 only when every test passes. A sandbox that fails (sandbox_error) or cannot be imported
+masks the sample (RECIPE.md: "a broken sandbox masks the sample"): the program is never blamed for it.
+
+Tests come in the sandbox's format ({"input", "output"} for stdin programs, {"fn", "args", "expected"} for
+functions), either as info["tests"] (benchmarks) or as INTELLECT-3-RL's info["entry"]["tests"]
+({"fn_name", "inputs", "outputs"}), converted here.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from recipe.envs.base import Environment, MaskSample
+
+_FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)```", re.DOTALL)
+PYTHON_TAGS = {"python", "py", "python3"}
+# LiveCodeBench's harness runs every program after imports like these; LeetCode starter code relies on them
+# (List, Optional, collections, ...). Prepended only where a row asks for it (info["prelude"]).
+PRELUDE = ("from typing import *\nfrom collections import *\nfrom functools import *\nfrom itertools import *\n"
+           "from heapq import *\nfrom bisect import *\nfrom math import *\nimport collections, functools, heapq, "
+           "bisect, itertools, math, re, string, sys\n")
+
+
+def extract_code(answer: str) -> str | None:
+    """The last ```python (or py, python3) block; failing that, the last untagged block; else None."""
+    blocks = _FENCE.findall(answer)
+    tagged = [body for tag, body in blocks if tag.lower() in PYTHON_TAGS]
+    untagged = [body for tag, body in blocks if not tag]
+    chosen = tagged or untagged
+    return chosen[-1] if chosen else None
+
+
+def row_tests(row: dict) -> list[dict]:
+    info = json.loads(row.get("info") or "{}")
+    if isinstance(info.get("tests"), list):
+        return info["tests"]
+    raw = (info.get("entry") or {}).get("tests")
+    if isinstance(raw, str):
+        raw = json.loads(raw)
+    if not isinstance(raw, dict):
+        return []
+    fn = raw.get("fn_name")
+    if fn:
+        return [{"fn": fn, "args": list(i), "expected": o} for i, o in zip(raw["inputs"], raw["outputs"])]
+    return [{"input": i, "output": o} for i, o in zip(raw["inputs"], raw["outputs"])]
+
+
+def program(code: str, tests: list[dict], prelude: bool) -> str:
+    """The code as the sandbox runs it. LeetCode-style answers define `class Solution`; a module-level alias
+    lets a sandbox that calls `fn(*args)` reach the method."""
+    out = (PRELUDE if prelude else "") + code
+    for fn in sorted({t["fn"] for t in tests if "fn" in t}):
+        if "class Solution" in code and not re.search(rf"^def {re.escape(fn)}\s*\(", code, re.MULTILINE):
+            out += f"\n\ndef {fn}(*args):\n    return Solution().{fn}(*args)\n"
+    return out
+
+
+def code_passed(answer: str, row: dict) -> float:
+    code = extract_code(answer)
+    if code is None:
+        return 0.0  # no program: the model's fault, scored 0
+    tests = row_tests(row)
+    if not tests:
+        raise ValueError(f"row {row.get('id')} has no tests")
+    try:
+        from recipe.sandbox import run_tests  # imported here: rows of other environments do not need it
+    except ImportError as e:
+        raise MaskSample(f"sandbox unavailable ({e})") from None
+    info = json.loads(row.get("info") or "{}")
+    report = run_tests(program(code, tests, bool(info.get("prelude"))), tests)
+    if report.sandbox_error:
+        raise MaskSample(f"sandbox error: {report.sandbox_error}")
+    if info.get("all_tests_must_pass"):
+        return float(report.total > 0 and report.passed == report.total)
+    return report.passed / report.total if report.total else 0.0
+
+
+class CodeEnv(Environment):
+    name = "code"
+    rubric = [("passed", code_passed, 1.0)]

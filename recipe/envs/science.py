@@ -1,0 +1,76 @@
+"""Science: multiple choice (GPQA, MMLU-Pro, HLE's multiple-choice rows) graded on the option letter; rows
+without options (INTELLECT-3-RL's science subset) graded by math-verify, as INTELLECT-3's science environment
+does before its LLM judge (the judge is not reproduced here).
+
+A row is multiple choice when its info carries `letters` (the valid option letters) and its answer is the gold
+letter. The letter is read from the final answer (after </think>) by the first rule that applies:
+  1. the last \\boxed{...} holding a letter: \\boxed{B}, \\boxed{(B)}, \\boxed{\\text{B}}, \\boxed{B) 4 m/s}
+  2. the last "answer: B" / "answer is (B)" / "**Answer:** B" (case of "answer" free, the letter upper case)
+  3. the whole answer is the letter: "B", "(B)", "B.", "**B**"
+  4. the answer opens with an option label: "(B) 4 m/s", "B) 4 m/s", "B. 4 m/s", "B: 4 m/s"
+A letter outside the row's options, or none found, scores 0: a guess is never read out of free prose.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+from recipe.envs.base import Environment
+from recipe.envs.math import math_correct
+
+_BOXED = re.compile(r"\\boxed\s*\{")
+_WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\s*\{([^{}]*)\}")
+_LABEL = re.compile(r"^[\s*_]*[(\[]?\s*([A-Z])\s*(?:[)\].:]|$)")
+_ANSWER = re.compile(r"(?i:answer)(?:\s+is)?\s*[:：]?[\s*_]*(?:(?i:option)\s+)?[(\[]?\s*([A-Z])(?![A-Za-z0-9])")
+_ONLY = re.compile(r"^[\s*_$]*[(\[]?\s*([A-Z])\s*[)\]]?[\s*_.$]*$")
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last \\boxed{...}, braces balanced; None when there is none (or it is unclosed)."""
+    starts = [m.end() for m in _BOXED.finditer(text)]
+    if not starts:
+        return None
+    depth, i = 1, starts[-1]
+    while i < len(text):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[starts[-1]:i]
+        i += 1
+    return None
+
+
+def _unwrap(text: str) -> str:
+    prev = None
+    while prev != text:  # \text{\textbf{B}} unwraps in two passes
+        prev, text = text, _WRAPPERS.sub(r"\1", text)
+    return text
+
+
+def extract_letter(answer: str, letters: str = "ABCDEFGHIJ") -> str | None:
+    """The option letter the final answer commits to (rules in the module docstring), or None."""
+    boxed = last_boxed(answer)
+    if boxed is not None:
+        m = _LABEL.match(_unwrap(boxed))
+        if m:
+            return m.group(1) if m.group(1) in letters else None
+    found = _ANSWER.findall(_unwrap(answer))
+    if found:
+        return found[-1] if found[-1] in letters else None
+    for rule in (_ONLY, _LABEL):
+        m = rule.match(_unwrap(answer).strip())
+        if m:
+            return m.group(1) if m.group(1) in letters else None
+    return None
+
+
+def science_correct(answer: str, row: dict) -> float:
+    info = json.loads(row.get("info") or "{}")
+    letters = info.get("letters")
+    if letters:
+        return float(extract_letter(answer, letters) == str(row["answer"]).strip())
+    return math_correct(answer, row)
+
+
+class ScienceEnv(Environment):
+    name = "science"
+    rubric = [("correct", science_correct, 1.0)]
