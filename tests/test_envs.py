@@ -47,6 +47,21 @@ def test_a_raising_reward_function_is_caught_and_reported():
     assert res.errors and "verifier bug" in res.errors[0]
 
 
+def test_a_reward_function_that_hangs_times_out_and_the_sample_scores_0():
+    import time
+
+    class Hanging(Environment):
+        name = "hanging"
+        reward_timeout_s = 0.3
+        rubric = [("ok", lambda a, r: 1.0, 0.5), ("stuck", lambda a, r: time.sleep(30), 0.5)]
+
+    t0 = time.perf_counter()
+    res = Hanging().score("<think></think>x", {})
+    assert time.perf_counter() - t0 < 5
+    assert res.reward == 0.5 and res.metrics["stuck"] == 0.0
+    assert res.errors and "stuck: RewardTimeout" in res.errors[0] and "0.3 s" in res.errors[0]
+
+
 def test_unknown_environment_names_itself():
     try:
         get_env("nope")

@@ -77,3 +77,23 @@ def test_report_twice_on_the_same_runs_writes_the_same_bytes(tmp_path):
     second = write_report(cfg).read_bytes()
     assert first == second and b"| sft |" in first and b"| rl |" in first
     assert (tmp_path / "runs" / "results" / "tiny_curves.png").read_bytes() == png
+
+
+def test_report_shows_the_sandbox_throughput_that_bench_sandbox_wrote(tmp_path):
+    import json
+    import shutil
+
+    from recipe.config import load_config
+    from recipe.eval.report import write_report
+
+    shutil.copytree(Path(__file__).parent / "data" / "runs_min", tmp_path / "runs")
+    cfg = load_config([f"run_root={tmp_path / 'runs'}"])
+    assert "run `make bench-sandbox`" in write_report(cfg).read_text()
+    bench = tmp_path / "runs" / "tiny" / "bench"
+    bench.mkdir(parents=True, exist_ok=True)
+    (bench / "sandbox.json").write_text(json.dumps({
+        "backend": "bwrap", "programs": 200, "seconds": 5.5, "programs_per_s": 36.36, "workers": 2,
+        "command": "make bench-sandbox PRESET=tiny",
+        "provenance": {"git": {"commit": "0123456789abcdef", "dirty": False}, "hardware": {"cpus": 2}}}))
+    text = write_report(cfg).read_text()
+    assert "**36.4 programs/s**" in text and "backend `bwrap`" in text and "`make bench-sandbox PRESET=tiny`" in text

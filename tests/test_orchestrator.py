@@ -101,3 +101,29 @@ def test_more_groups_are_kept_in_flight_when_many_come_back_filtered():
     orch.filter_rate = 0.5  # half the recent groups had no signal
     orch._top_up(2)
     assert len(orch.inflight) == 4
+
+
+def test_masked_samples_leave_the_loss_and_the_group_mean(monkeypatch):
+    # sample 3 of every group could not be judged (a broken sandbox, say); sample 0 is right, 1 and 2 wrong
+    from recipe.envs.base import MaskSample
+    from recipe.envs.math import MathEnv
+
+    def judged_or_masked(answer, row):
+        if answer == "masked":
+            raise MaskSample("sandbox down")
+        return float(answer == row["answer"])
+
+    monkeypatch.setattr(MathEnv, "rubric", [("correct", judged_or_masked, 1.0)])
+
+    def fn(prompt, rid):
+        i = int(prompt.split("Q")[1].split("<")[0])
+        return "<think>t</think>" + {0: str(i), 1: "-1", 2: "-1", 3: "masked"}[rid % 4]
+
+    orch = Orchestrator(math_rows(), CharTokenizer(), rl_cfg(), ScriptedEngine(fn), seed=0)
+    samples, stats = orch.next_batch(0)
+    assert stats["masked_samples"] >= 2  # counted over every group scored, also those ahead of this batch
+    masked = [s for s in samples if not any(s.loss_mask)]
+    assert len(masked) == 2 and all(s.advantage == 0 for s in masked)
+    judged = sorted(round(s.advantage, 6) for s in samples if any(s.loss_mask))
+    assert judged == [round(-1 / 3, 6)] * 4 + [round(2 / 3, 6)] * 2  # mean over the 3 judged samples
+    assert stats["reward"] == pytest.approx(1 / 3)

@@ -9,6 +9,7 @@ leaves it out of its metrics (and RL can drop it, from RewardResult.masked) rath
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -21,6 +22,31 @@ def parse_final_answer(completion: str) -> str | None:
     if THINK_END not in completion:
         return None
     return completion.rsplit(THINK_END, 1)[1].strip()
+
+
+class RewardTimeout(Exception):
+    pass
+
+
+def call_with_timeout(fn, args: tuple, timeout_s: float):
+    """fn(*args) in a daemon thread; past timeout_s the run moves on without it (a thread cannot be killed,
+    so a verifier stuck for good costs a thread, never the run)."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn(*args)
+        except BaseException as e:  # handed to the caller below
+            box["error"] = e
+
+    worker = threading.Thread(target=target, daemon=True, name="reward-fn")
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive():
+        raise RewardTimeout(f"no result after {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 class MaskSample(Exception):
@@ -40,6 +66,7 @@ class Environment:
     name = "base"
     # the rubric: (name, function(answer, row) -> float, weight)
     rubric: list[tuple[str, Callable, float]] = []
+    reward_timeout_s: float = 30.0  # per reward function call; a verifier that hangs costs the sample only
 
     def prompt(self, row: dict) -> list[dict]:
         return [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
@@ -49,7 +76,7 @@ class Environment:
         metrics, errors, total, masked = {"formatted": float(answer is not None)}, [], 0.0, []
         for name, fn, weight in self.rubric:
             try:
-                value = float(fn(answer, row)) if answer is not None else 0.0
+                value = float(call_with_timeout(fn, (answer, row), self.reward_timeout_s)) if answer is not None else 0.0
             except MaskSample as e:
                 masked.append(f"{name}: {e}")
                 value = 0.0

@@ -80,4 +80,5 @@ def code_passed(answer: str, row: dict) -> float:
 
 class CodeEnv(Environment):
     name = "code"
+    reward_timeout_s = 600.0  # the sandbox bounds every test (wall_s each); this only guards the harness
     rubric = [("passed", code_passed, 1.0)]

@@ -74,6 +74,18 @@ def bench_section(cfg) -> str:
     return "".join(out)
 
 
+def sandbox_section(cfg) -> str:
+    path = stage_dir(cfg, "bench") / "sandbox.json"
+    if not path.exists():
+        return "_No sandbox benchmark yet: run `make bench-sandbox`._\n"
+    b = json.loads(path.read_text())
+    prov = b["provenance"]
+    return (f"Reproduce: `{b['command']}`. {b['programs']} small correct stdin programs, each in a sandbox of its "
+            f"own (backend `{b['backend']}`), {b['workers']} at a time: {b['seconds']:.2f} s, "
+            f"**{b['programs_per_s']:.1f} programs/s**. Commit {prov['git']['commit'][:10]}"
+            f"{'+dirty' if prov['git']['dirty'] else ''}, {prov['hardware']['cpus']} CPUs.\n")
+
+
 def _benchmark_cell(path: Path, paper_k: int) -> str:
     if not path.exists():
         return "not run"
@@ -210,6 +222,7 @@ def write_report(cfg) -> Path:
         parts.append(f"\n![learning curves]({png.relative_to(root)})\n")
     parts += ["\n## Paper benchmarks\n\n", paper_section(cfg)]
     parts += ["\n## Performance: asynchronous against synchronous RL\n\n", bench_section(cfg)]
+    parts += ["\n## Performance: code sandbox throughput\n\n", sandbox_section(cfg)]
     write_atomic(path, "".join(parts))
     return path
 

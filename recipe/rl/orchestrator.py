@@ -32,6 +32,7 @@ class Group:
     submitted_version: int
     completions: dict = field(default_factory=dict)  # sample index -> Completion
     rewards: list = field(default_factory=list)
+    masked: list = field(default_factory=list)  # per sample: the verifier could not judge it (e.g. sandbox down)
     texts: list = field(default_factory=list)
 
     @property
@@ -181,11 +182,15 @@ class Orchestrator:
             res = env.score(text, group.row)
             if res.errors:
                 self.counters["reward_errors"] += len(res.errors)
+            if res.masked:  # not a wrong answer: the sample leaves the loss and the group mean
+                self.counters["samples_masked"] += 1
             group.rewards.append(res.reward)
-        flat = len(set(group.rewards)) == 1
+            group.masked.append(res.masked)
+        judged = [r for r, m in zip(group.rewards, group.masked) if not m]
+        flat = len(set(judged)) <= 1
         self.filter_rate = 0.9 * self.filter_rate + 0.1 * flat  # running share of groups filtered out
         if flat:  # no signal: every sample got the same reward
-            self.counters["filtered_all_correct" if group.rewards[0] >= 1 else "filtered_all_wrong"] += 1
+            self.counters["filtered_all_correct" if judged and judged[0] >= 1 else "filtered_all_wrong"] += 1
             self.counters["rollouts_filtered"] += len(group.rewards)
             self._last_filtered.append(group)
             return
@@ -216,14 +221,16 @@ class Orchestrator:
         self._top_up(0)  # the next batches' groups generate while the trainer works on this one
         samples = []
         for g in batch:
-            mean = sum(g.rewards) / len(g.rewards)
+            judged = [r for r, m in zip(g.rewards, g.masked) if not m]
+            mean = sum(judged) / len(judged)
             for s in range(self.cfg.rollouts_per_example):
                 c = g.completions[s]
-                samples.append(Sample(g.prompt_ids, c.token_ids, c.logprobs, [1] * len(c.token_ids),
-                                      g.rewards[s] - mean, g.rewards[s], c.policy_version, g.row["env"]))
+                keep = 0 if g.masked[s] else 1
+                samples.append(Sample(g.prompt_ids, c.token_ids, c.logprobs, [keep] * len(c.token_ids),
+                                      (g.rewards[s] - mean) * keep, g.rewards[s], c.policy_version, g.row["env"]))
         delta = self.counters - counters_before
         all_groups = batch + self._last_filtered
-        all_rewards = [r for g in all_groups for r in g.rewards]
+        all_rewards = [r for g in all_groups for r, m in zip(g.rewards, g.masked) if not m] or [0.0]
         stats = {
             "wait_s": time.perf_counter() - t0,
             "gen_busy_s": self.gen_busy_s - busy_before,
@@ -235,6 +242,7 @@ class Orchestrator:
             "stale_groups": delta["groups_stale"],
             "cancelled_requests": delta["requests_cancelled"],
             "reward_errors": delta["reward_errors"],
+            "masked_samples": delta["samples_masked"],
             "staleness": dict(sorted(Counter(step - s.policy_version for s in samples).items())),
             "reward_by_env": {e: sum(g.rewards[i] for g in all_groups if g.row["env"] == e
                                      for i in range(len(g.rewards))) /
