@@ -91,3 +91,23 @@ def test_missing_and_corrupt_files_are_named(data_dir, tmp_path):
     (tmp_path / "junk.parquet").write_bytes(b"not parquet")
     with pytest.raises(DataError, match="junk.parquet"):
         read_rows(tmp_path / "junk.parquet")
+
+
+def test_fn_fit_code_task_rows_are_scored_by_the_sandbox(tmp_path):
+    """The tiny code task: the demonstrated program passes its hidden tests in the sandbox; a wrong one does not."""
+    from recipe.config import load_config
+    from recipe.data.tiny import build_tiny
+    from recipe.envs import get_env
+    from recipe.envs.base import parse_final_answer
+
+    cfg = load_config([f"run_root={tmp_path}", "data.sft_rows_per_task=10", "data.rl_rows_per_task=10",
+                       "data.eval_rows_per_task=10", "data.no_think_fraction=0",
+                       "data.tasks=[{env: code, task: fn_fit, params: {}}]"])
+    rows = build_tiny(cfg.data)
+    row = rows["sft"][0]
+    demo = row["completion"][0]["content"]
+    assert row["env"] == "code" and "```python\ndef f(x):" in parse_final_answer(demo)
+    env = get_env("code")
+    assert env.score(demo, row).reward == 1.0
+    wrong = demo.replace("return ", "return 1 + ")
+    assert env.score(wrong, row).reward < 1.0 and not env.score(wrong, row).masked

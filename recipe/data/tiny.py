@@ -84,14 +84,31 @@ RG_DIFFICULTY = {"chain_sum": lambda m: m["num_terms"] + m["num_digits"], "spell
                  "letter_counting": lambda m: m["span_length"], "leg_counting": lambda m: m["num_animals"]}
 
 
+def gen_fn_fit(rng: random.Random, max_slope: int = 9, max_intercept: int = 20, max_start: int = 5):
+    """Code: write f(x) = a*x + b from three consecutive examples; reward = the share of hidden tests the
+    program passes (x = 0, 4, 7, 10, -2), run in the sandbox. The trace reads a off a difference, then b."""
+    a, b, x0 = rng.randint(1, max_slope), rng.randint(0, max_intercept), rng.randint(0, max_start)
+    examples = ", ".join(f"f({x})={a * x + b}" for x in (x0, x0 + 1, x0 + 2))
+    question = f"Write a Python function f(x) with {examples}."
+    code = f"def f(x):\n    return {a}*x+{b}" if b else f"def f(x):\n    return {a}*x"
+    trace = f"f({x0 + 1})-f({x0})={a} so a={a}; f({x0})-{a}*{x0}={b} so b={b}"
+    hidden = [0, 4, 7, 10, -2]
+    entry = {"question": question, "answer": code, "metadata": {"slope": a, "intercept": b, "start": x0},
+             "tests": {"fn_name": "f", "inputs": [[x] for x in hidden], "outputs": [a * x + b for x in hidden]}}
+    return question, code, trace, entry, float(a)
+
+
 def task_items(spec, n: int, seed: int):
     """n items of one task, as (question, answer, trace, entry, difficulty)."""
     params = dict(spec.params)
     if spec.task == "add":
         rng = random.Random(f"{seed}-add")
         return [gen_add(rng, **params) for _ in range(n)]
+    if spec.task == "fn_fit":
+        rng = random.Random(f"{seed}-fn_fit")
+        return [gen_fn_fit(rng, **params) for _ in range(n)]
     if spec.task not in RG_TRACES:
-        raise DataError(f"tiny data: unknown task '{spec.task}' (known: add, {', '.join(RG_TRACES)})")
+        raise DataError(f"tiny data: unknown task '{spec.task}' (known: add, fn_fit, {', '.join(RG_TRACES)})")
     items = []
     for entry in _rg_entries(spec.task, n, seed, params):
         entry = {"question": entry["question"], "answer": entry["answer"],
@@ -106,6 +123,8 @@ def prompt_text(env: str, question: str) -> str:
 
 
 def answer_text(env: str, answer: str) -> str:
+    if env == "code":
+        return f"```python\n{answer}\n```"
     return f"\\boxed{{{answer}}}" if env == "math" else answer
 
 
