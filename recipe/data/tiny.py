@@ -84,7 +84,7 @@ RG_DIFFICULTY = {"chain_sum": lambda m: m["num_terms"] + m["num_digits"], "spell
                  "letter_counting": lambda m: m["span_length"], "leg_counting": lambda m: m["num_animals"]}
 
 
-def gen_fn_fit(rng: random.Random, max_slope: int = 9, max_intercept: int = 20, max_start: int = 5):
+def gen_fn_fit(rng: random.Random, max_slope: int = 9, max_intercept: int = 99, max_start: int = 3):
     """Code: write f(x) = a*x + b from three consecutive examples; reward = the share of hidden tests the
     program passes (x = 0, 4, 7, 10, -2), run in the sandbox. The trace reads a off a difference, then b."""
     a, b, x0 = rng.randint(1, max_slope), rng.randint(0, max_intercept), rng.randint(0, max_start)
