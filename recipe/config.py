@@ -86,6 +86,8 @@ class DataConfig:
     eval_rows_per_task: int = 100
     pretrain_rows_per_task: int = 3000
     tasks: List[TaskSpec] = field(default_factory=list)
+    # appended to tasks (e.g. the tools task), so a run can add one without restating the whole list
+    extra_tasks: List[TaskSpec] = field(default_factory=list)
     # intellect3
     sft_dataset: HubDataset = field(default_factory=HubDataset)
     rl_dataset: HubDataset = field(default_factory=HubDataset)
@@ -315,6 +317,8 @@ def load_config(overrides: List[str] | None = None):
 def config_hash(cfg, keys: List[str] | None = None) -> str:
     """sha256 of the resolved config (or of some of its sections), stable across runs."""
     data = OmegaConf.to_container(cfg, resolve=True)
+    if isinstance(data.get("data"), dict) and not data["data"].get("extra_tasks"):
+        data["data"].pop("extra_tasks", None)  # added later: runs made before it keep their hash
     if keys is not None:
         data = {k: data[k] for k in keys}
     blob = json.dumps(data, sort_keys=True).encode()

@@ -13,6 +13,8 @@ import warnings
 
 from recipe.data.schema import DataError, message
 from recipe.envs.math import INSTRUCTION as MATH_INSTRUCTION
+from recipe.envs.tools import ASSISTANT, OBSERVATION, TOOL_SPECS
+from recipe.envs.tools import INSTRUCTION as TOOLS_INSTRUCTION
 
 SPLIT_BUCKETS = {"eval": range(0, 2), "rl": range(2, 6), "sft": range(6, 20)}  # of 20 buckets
 
@@ -36,6 +38,30 @@ def gen_add(rng: random.Random, min_digits: int = 2, max_digits: int = 4):
     trace = " ".join(steps) + f" so {a + b}"
     entry = {"question": f"What is {a} + {b}?", "answer": str(a + b), "metadata": {"digits": digits}}
     return entry["question"], str(a + b), trace, entry, float(digits)
+
+
+def gen_tool_mul(rng: random.Random, min_digits: int = 2, max_digits: int = 2):
+    """a * b: too hard for the tiny model in its head, one calculator call away (env tools)."""
+    da, db = rng.randint(min_digits, max_digits), rng.randint(min_digits, max_digits)
+    a, b = rng.randint(10 ** (da - 1), 10**da - 1), rng.randint(10 ** (db - 1), 10**db - 1)
+    entry = {"question": f"What is {a} * {b}?", "answer": str(a * b), "metadata": {"a": a, "b": b}}
+    return entry["question"], str(a * b), f"{a}*{b}={a * b}", entry, float(da + db)
+
+
+def tool_sft_completion(prompt: str, entry: dict, hasty_fraction: float) -> str:
+    """A calculator call, the tool's reply, then the answer, as one transcript. TRL's prompt/completion format
+    has no way to leave a middle segment out of the loss, so the tool reply is trained on too; it is copied
+    from the call just before it, so it teaches little harm. For a hashed share of prompts a hasty
+    demonstrator answers at once with a guess, often wrong, as the tiny model would: RL then finds that
+    calling the tool pays."""
+    a, b = entry["metadata"]["a"], entry["metadata"]["b"]
+    h = int(hashlib.sha256(f"hasty:{prompt}".encode()).hexdigest(), 16)
+    if h % 10_000 / 10_000 < hasty_fraction:
+        guess = a * b + (0 if (h >> 20) % 4 == 0 else ((h >> 24) % 99 + 1) * (1 if (h >> 32) % 2 else -1))
+        return f"<think>\n</think>\n{guess}"
+    call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a}*{b}"}})
+    return (f"<tool_call>{call}</tool_call>{OBSERVATION}\n<tool_response>{a * b}</tool_response>{ASSISTANT}\n"
+            f"<think>\n</think>\n{a * b}")
 
 
 def _rg_entries(name: str, size: int, seed: int, params: dict):
@@ -107,8 +133,11 @@ def task_items(spec, n: int, seed: int):
     if spec.task == "fn_fit":
         rng = random.Random(f"{seed}-fn_fit")
         return [gen_fn_fit(rng, **params) for _ in range(n)]
+    if spec.task == "tool_mul":
+        rng = random.Random(f"{seed}-tool_mul")
+        return [gen_tool_mul(rng, **params) for _ in range(n)]
     if spec.task not in RG_TRACES:
-        raise DataError(f"tiny data: unknown task '{spec.task}' (known: add, fn_fit, {', '.join(RG_TRACES)})")
+        raise DataError(f"tiny data: unknown task '{spec.task}' (known: add, fn_fit, tool_mul, {', '.join(RG_TRACES)})")
     items = []
     for entry in _rg_entries(spec.task, n, seed, params):
         entry = {"question": entry["question"], "answer": entry["answer"],
@@ -119,6 +148,8 @@ def task_items(spec, n: int, seed: int):
 
 
 def prompt_text(env: str, question: str) -> str:
+    if env == "tools":
+        return f"{TOOLS_INSTRUCTION}\n{question}"
     return f"{MATH_INSTRUCTION}\n{question}" if env == "math" else question
 
 
@@ -141,7 +172,8 @@ def build_tiny(data_cfg) -> dict[str, list[dict]]:
     """Rows for every split: sft, rl, eval (schema rows) and pretrain (plain text rows)."""
     want = {"sft": data_cfg.sft_rows_per_task, "rl": data_cfg.rl_rows_per_task, "eval": data_cfg.eval_rows_per_task}
     out = {"sft": [], "rl": [], "eval": [], "pretrain": []}
-    for t_idx, spec in enumerate(data_cfg.tasks):
+    # extra_tasks come after tasks, so enabling one leaves the seeds and rows of the others as they were
+    for t_idx, spec in enumerate(list(data_cfg.tasks) + list(getattr(data_cfg, "extra_tasks", []))):
         # draw a pool large enough that the smallest split fills up (eval holds 2 of 20 buckets)
         pool_size = max(14 * want["eval"], 3 * (want["sft"] + want["rl"] + want["eval"]))
         pool = task_items(spec, pool_size, data_cfg.seed * 1000 + t_idx)
@@ -156,16 +188,18 @@ def build_tiny(data_cfg) -> dict[str, list[dict]]:
                 if split == "sft" and len(out["pretrain"]) < data_cfg.pretrain_rows_per_task * (t_idx + 1):
                     out["pretrain"].append({"text": f"{question}\n{trace}\n{answer}"})
                 continue
+            if spec.env == "tools":
+                completion = tool_sft_completion(text, entry, data_cfg.no_think_fraction)
+            else:
+                completion = sft_completion(text, trace, answer_text(spec.env, answer), data_cfg.no_think_fraction)
             row = {
                 "id": f"{spec.task}-{hashlib.sha256(text.encode()).hexdigest()[:12]}",
                 "env": spec.env, "task": spec.task, "split": split,
                 "prompt": [message("user", text)],
-                "completion": [message("assistant", sft_completion(text, trace, answer_text(spec.env, answer),
-                                                                   data_cfg.no_think_fraction))]
-                if split == "sft" else [],
+                "completion": [message("assistant", completion)] if split == "sft" else [],
                 "answer": answer,
                 "info": json.dumps({"task": spec.task, "entry": entry}, sort_keys=True),
-                "difficulty": diff, "tools": "[]",
+                "difficulty": diff, "tools": json.dumps(TOOL_SPECS) if spec.env == "tools" else "[]",
             }
             by_split[split].append(row)
             if split == "sft" and len(out["pretrain"]) < data_cfg.pretrain_rows_per_task * (t_idx + 1):

@@ -5,8 +5,10 @@ from recipe.envs.exact import ExactEnv
 from recipe.envs.logic import LogicEnv
 from recipe.envs.math import MathEnv
 from recipe.envs.science import ScienceEnv
+from recipe.envs.tools import ToolsEnv
 
-ENVIRONMENTS = {"math": MathEnv, "logic": LogicEnv, "science": ScienceEnv, "code": CodeEnv, "exact": ExactEnv}
+ENVIRONMENTS = {"math": MathEnv, "logic": LogicEnv, "science": ScienceEnv, "code": CodeEnv, "exact": ExactEnv,
+                "tools": ToolsEnv}
 
 
 def get_env(name: str) -> Environment:

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from recipe.envs import get_env
 from recipe.envs.base import parse_final_answer
+from recipe.envs.tools import Transcript, next_reply
 from recipe.eval.metrics import breakdown
 from recipe.inference import SamplingParams
 from recipe.model import completion_text, encode_prompt
@@ -45,6 +46,35 @@ def is_masked(recs: list[dict]) -> bool:
     return any(r.get("masked") for r in recs)
 
 
+def tool_turns(engine, tokenizer, chunk, k, prompts, completions, params) -> list:
+    """Multi-turn rows: append the environment's tool reply and generate again, for every sample still calling
+    a tool, until each is final; their completion becomes the whole transcript (model and environment text).
+    Single-turn rows keep their completion."""
+    out = list(completions)
+    envs = [get_env(r["env"]) for r in chunk]
+    ts = {}
+    for j, c in enumerate(completions):
+        if getattr(envs[j // k], "multi_turn", False):
+            ts[j] = Transcript()
+            ts[j].add_model(c)
+    active = list(ts)
+    while active:
+        cont = []
+        for j in active:
+            reply = next_reply(envs[j // k], tokenizer, ts[j], chunk[j // k])
+            if reply is not None:
+                ts[j].add_env(reply)
+                cont.append(j)
+        if not cont:
+            break
+        for j, c in zip(cont, engine.generate([prompts[j] + ts[j].ids for j in cont], params)):
+            ts[j].add_model(c)
+        active = cont
+    for j, t in ts.items():
+        out[j] = t.completion()
+    return out
+
+
 def evaluate(engine, tokenizer, rows: list[dict], eval_cfg, out_dir: Path, desc: str = "eval") -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     samples_path = out_dir / "samples.jsonl"
@@ -64,6 +94,8 @@ def evaluate(engine, tokenizer, rows: list[dict], eval_cfg, out_dir: Path, desc:
         params = SamplingParams(max_new_tokens=eval_cfg.max_new_tokens, temperature=eval_cfg.temperature,
                                 top_p=eval_cfg.top_p, seed=eval_cfg.seed + len(rows) - len(todo) + start)
         completions = engine.generate(prompts, params)
+        if any(getattr(get_env(r["env"]), "multi_turn", False) for r in chunk):
+            completions = tool_turns(engine, tokenizer, chunk, k, prompts, completions, params)
         lines = []
         for i, row in enumerate(chunk):
             env = get_env(row["env"])

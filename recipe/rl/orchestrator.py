@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from recipe.config import ConfigError
 from recipe.envs import get_env
+from recipe.envs.tools import Transcript, next_reply
 from recipe.inference import Completion, SamplingParams
 from recipe.inference.worker import Request
 from recipe.model import completion_text, encode_prompt
@@ -34,6 +35,7 @@ class Group:
     rewards: list = field(default_factory=list)
     masked: list = field(default_factory=list)  # per sample: the verifier could not judge it (e.g. sandbox down)
     texts: list = field(default_factory=list)
+    transcripts: dict = field(default_factory=dict)  # sample index -> Transcript (multi-turn envs only)
 
     @property
     def version(self) -> int:
@@ -128,7 +130,9 @@ class Orchestrator:
         reqs = []
         for s in samples:
             self.requests[self.next_rid] = (group.gid, s)
-            reqs.append(Request(self.next_rid, group.prompt_ids, self._params(group.gid * 1000 + s),
+            # a multi-turn sample goes on from its transcript so far (also when a later turn is rescheduled)
+            prompt = group.prompt_ids + group.transcripts[s].ids if s in group.transcripts else group.prompt_ids
+            reqs.append(Request(self.next_rid, prompt, self._params(group.gid * 1000 + s),
                                 self.engine.policy_version))
             self.next_rid += 1
         self.engine.submit(reqs)
@@ -161,6 +165,17 @@ class Orchestrator:
             for rid, completion in event[1]:
                 gid, s = self.requests.pop(rid)
                 group = self.inflight[gid]
+                env = self.envs[group.row["env"]]
+                if getattr(env, "multi_turn", False):
+                    t = group.transcripts.setdefault(s, Transcript())
+                    t.add_model(completion)
+                    reply = next_reply(env, self.tokenizer, t, group.row)
+                    if reply is not None:  # a tool call: the environment answers and the sample goes on
+                        t.add_env(reply)
+                        self.counters["tool_calls"] += 1
+                        self._submit(group, [s])
+                        continue
+                    completion = t.completion()
                 group.completions[s] = completion
                 if len(group.completions) == self.cfg.rollouts_per_example:
                     del self.inflight[gid]
@@ -226,7 +241,8 @@ class Orchestrator:
             for s in range(self.cfg.rollouts_per_example):
                 c = g.completions[s]
                 keep = 0 if g.masked[s] else 1
-                samples.append(Sample(g.prompt_ids, c.token_ids, c.logprobs, [keep] * len(c.token_ids),
+                mask = c.extra.get("loss_mask", [1] * len(c.token_ids))  # 0 on environment (tool) tokens
+                samples.append(Sample(g.prompt_ids, c.token_ids, c.logprobs, [m * keep for m in mask],
                                       (g.rewards[s] - mean) * keep, g.rewards[s], c.policy_version, g.row["env"]))
         delta = self.counters - counters_before
         all_groups = batch + self._last_filtered
@@ -243,6 +259,7 @@ class Orchestrator:
             "cancelled_requests": delta["requests_cancelled"],
             "reward_errors": delta["reward_errors"],
             "masked_samples": delta["samples_masked"],
+            "tool_calls": delta["tool_calls"],
             "staleness": dict(sorted(Counter(step - s.policy_version for s in samples).items())),
             "reward_by_env": {e: sum(g.rewards[i] for g in all_groups if g.row["env"] == e
                                      for i in range(len(g.rewards))) /
