@@ -91,6 +91,9 @@ def sandbox(monkeypatch):
 
     mod.run_tests = run_tests
     monkeypatch.setitem(sys.modules, "recipe.sandbox", mod)
+    import recipe.envs.code
+
+    monkeypatch.setattr(recipe.envs.code, "_VERDICTS", {})  # verdicts of the real sandbox must not leak in
     return mod
 
 

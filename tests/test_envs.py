@@ -69,3 +69,29 @@ def test_unknown_environment_names_itself():
         assert "nope" in str(e)
     else:
         raise AssertionError("expected KeyError")
+
+
+def test_code_verdicts_are_reused_for_a_repeated_program(monkeypatch):
+    import recipe.envs.code as code_env
+    from recipe.envs import get_env
+
+    calls = []
+
+    class Report:
+        passed, total, sandbox_error = 1, 2, None
+
+    class Broken(Report):
+        sandbox_error = "worker crashed"
+
+    fake = type("M", (), {"run_tests": staticmethod(lambda src, tests, limits=None: calls.append(src) or
+                                                    (Broken() if "broken" in src else Report()))})
+    monkeypatch.setitem(__import__("sys").modules, "recipe.sandbox", fake)
+    monkeypatch.setattr(code_env, "_VERDICTS", {})
+    row = {"id": "r", "info": '{"tests": [{"fn": "f", "args": [1], "expected": 2}]}'}
+    env = get_env("code")
+    a = env.score("<think></think>```python\ndef f(x):\n    return 2\n```", row)
+    b = env.score("<think></think>```python\ndef f(x):\n    return 2\n```", row)
+    assert a.reward == b.reward == 0.5 and len(calls) == 1
+    for _ in range(2):  # a sandbox failure is never remembered: the next sample tries again
+        assert env.score("<think></think>```python\n# broken\n```", row).masked
+    assert len(calls) == 3

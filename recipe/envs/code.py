@@ -10,6 +10,7 @@ functions), either as info["tests"] (benchmarks) or as INTELLECT-3-RL's info["en
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 
@@ -58,6 +59,11 @@ def program(code: str, tests: list[dict], prelude: bool) -> str:
     return out
 
 
+# Verdicts by program and tests: the samples of a group often repeat a program, and each sandbox run costs a
+# process start. A program's verdict is deterministic up to its limits, which do not change within a run.
+_VERDICTS: dict[str, object] = {}
+
+
 def code_passed(answer: str, row: dict) -> float:
     code = extract_code(answer)
     if code is None:
@@ -70,9 +76,16 @@ def code_passed(answer: str, row: dict) -> float:
     except ImportError as e:
         raise MaskSample(f"sandbox unavailable ({e})") from None
     info = json.loads(row.get("info") or "{}")
-    report = run_tests(program(code, tests, bool(info.get("prelude"))), tests)
-    if report.sandbox_error:
-        raise MaskSample(f"sandbox error: {report.sandbox_error}")
+    source = program(code, tests, bool(info.get("prelude")))
+    key = hashlib.sha256(json.dumps([source, tests], sort_keys=True).encode()).hexdigest()
+    report = _VERDICTS.get(key)
+    if report is None:
+        report = run_tests(source, tests)
+        if report.sandbox_error:
+            raise MaskSample(f"sandbox error: {report.sandbox_error}")
+        _VERDICTS[key] = report
+        while len(_VERDICTS) > 4096:  # oldest first
+            _VERDICTS.pop(next(iter(_VERDICTS)))
     if info.get("all_tests_must_pass"):
         return float(report.total > 0 and report.passed == report.total)
     return report.passed / report.total if report.total else 0.0
