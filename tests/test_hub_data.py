@@ -323,3 +323,24 @@ def test_empty_revision_is_an_error(kind, revision):
     getattr(cfg, kind).revision = revision
     with pytest.raises(DataError, match=f"revision of {getattr(cfg, kind).id} is empty"):
         hub.build_intellect3(cfg, loader=fixture_loader)
+
+
+def test_rl_code_and_science_rows_are_scored_by_their_environments():
+    """INTELLECT-3-RL's code rows run their tests in the real sandbox; science rows without options fall back
+    to math-verify on the reference answer."""
+    from recipe.envs import get_env
+
+    cfg = data_cfg()
+    code_rows = [hub.rl_row(raw, "code", i, cfg) for i, raw in enumerate(read_jsonl("intellect3_rl_code.jsonl"))]
+    programs = {0: ("n = int(input())\nprint(sum(map(int, input().split()[:n])))", "print(0)"),
+                1: ("def count_vowels(s):\n    return sum(c in 'aeiou' for c in s)", "def count_vowels(s):\n    return 0")}
+    env = get_env("code")
+    for i, (good, bad) in programs.items():
+        row = code_rows[i]
+        assert env.score(f"<think></think>```python\n{good}\n```", row).reward == 1.0
+        res = env.score(f"<think></think>```python\n{bad}\n```", row)
+        assert res.reward < 1.0 and not res.masked
+    science = [hub.rl_row(raw, "science", i, cfg) for i, raw in enumerate(read_jsonl("intellect3_rl_science.jsonl"))]
+    env = get_env("science")
+    assert env.score("<think></think>\\boxed{6}", science[0]).reward == 1.0
+    assert env.score("<think></think>\\boxed{7}", science[0]).reward == 0.0
