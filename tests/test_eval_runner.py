@@ -95,5 +95,12 @@ def test_report_shows_the_sandbox_throughput_that_bench_sandbox_wrote(tmp_path):
         "backend": "bwrap", "programs": 200, "seconds": 5.5, "programs_per_s": 36.36, "workers": 2,
         "command": "make bench-sandbox PRESET=tiny",
         "provenance": {"git": {"commit": "0123456789abcdef", "dirty": False}, "hardware": {"cpus": 2}}}))
+    level = {"max_async_level": 1, "steps": 40, "samples": 5120, "mean_step_s": 1.5, "steps_per_hour": 2400.0,
+             "speedup_vs_sync": 1.6, "mean_gen_busy_s": 1.3, "mean_train_s": 1.2, "reward_second_half": 0.481,
+             "reward_second_half_se": 0.0183, "held_out_avg": 0.464, "held_out_se": 0.0201, "staleness": {"1": 5120}}
+    (bench / "rl.json").write_text(json.dumps({
+        "results": [level], "command": "make bench-rl PRESET=tiny",
+        "provenance": {"git": {"commit": "0123456789abcdef", "dirty": False}, "hardware": {"cpus": 2}}}))
     text = write_report(cfg).read_text()
+    assert "| x1.60 |" in text and "| 0.481 ± 0.018 | 0.464 ± 0.020 |" in text
     assert "**36.4 programs/s**" in text and "backend `bwrap`" in text and "`make bench-sandbox PRESET=tiny`" in text

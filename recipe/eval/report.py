@@ -64,14 +64,19 @@ def bench_section(cfg) -> str:
            f"{prov['git']['commit'][:10]}{'+dirty' if prov['git']['dirty'] else ''}, {prov['hardware']['cpus']} "
            "CPUs.\n\n",
            "| max_async_level | steps | samples | mean step s | steps/hour | vs sync | gen busy s/step | "
-           "train s/step | reward (2nd half) | held-out avg | staleness (samples by age) |\n",
+           "train s/step | reward (2nd half, ± s.e.) | held-out avg (± s.e.) | staleness (samples by age) |\n",
            "|---|---|---|---|---|---|---|---|---|---|---|\n"]
     for r in rows:
         out.append(f"| {r['max_async_level']} | {r['steps']} | {r['samples']} | {r['mean_step_s']:.2f} | "
                    f"{r['steps_per_hour']:.0f} | x{r['speedup_vs_sync']:.2f} | {r['mean_gen_busy_s']:.2f} | "
-                   f"{r['mean_train_s']:.2f} | {r['reward_second_half']:.3f} | {r['held_out_avg']:.3f} | "
+                   f"{r['mean_train_s']:.2f} | {r['reward_second_half']:.3f}{_se(r, 'reward_second_half_se')} | "
+                   f"{r['held_out_avg']:.3f}{_se(r, 'held_out_se')} | "
                    f"{r['staleness']} |\n")
     return "".join(out)
+
+
+def _se(record: dict, key: str) -> str:
+    return f" ± {record[key]:.3f}" if key in record else ""
 
 
 def sandbox_section(cfg) -> str:

@@ -8,6 +8,7 @@ runs/<preset>/bench/rl.json and into the performance section of RESULTS.md.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 import time
@@ -38,6 +39,9 @@ def bench_level(cfg, level: int, out_dir, eval_rows):
     torch.set_num_threads(cfg.eval.threads)
     engine = HFEngine.from_pretrained(str(model_dir), batch_size=cfg.eval.batch_size)
     held_out = evaluate(engine, engine.tokenizer, eval_rows, cfg.eval, out_dir / "eval", desc=f"eval level {level}")
+    rewards = [r["reward"] for r in half]
+    mean_reward = sum(rewards) / len(rewards)
+    env_se = [v["stderr"] for v in held_out["env"].values()]  # held-out mean weighs environments equally
     return {
         "max_async_level": level,
         "steps": len(records),
@@ -45,8 +49,12 @@ def bench_level(cfg, level: int, out_dir, eval_rows):
         "wall_s": wall,
         "mean_step_s": sum(step_s) / len(step_s),
         "steps_per_hour": 3600 / (sum(step_s) / len(step_s)),
-        "reward_second_half": sum(r["reward"] for r in half) / len(half),
+        "reward_second_half": mean_reward,
+        # step rewards vary with the prompts drawn: the standard error says what "no worse" can mean
+        "reward_second_half_se": math.sqrt(sum((x - mean_reward) ** 2 for x in rewards) /
+                                           max(1, len(rewards) - 1) / len(rewards)),
         "held_out_avg": held_out["overall"]["avg"],
+        "held_out_se": math.sqrt(sum(se ** 2 for se in env_se)) / len(env_se),
         "mean_gen_busy_s": sum(r["gen_busy_s"] for r in records) / len(records),
         "mean_train_s": sum(r["train_s"] for r in records) / len(records),
         "staleness": {k: sum(r["staleness"].get(k, 0) for r in records)
