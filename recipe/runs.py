@@ -76,7 +76,9 @@ def git_state() -> dict:
     try:
         res = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
         commit = res.stdout.strip() if res.returncode == 0 else ""
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        # the pages the pipeline itself writes (RESULTS.md, its plots) do not make the code dirty
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":(exclude)RESULTS.md", ":(exclude)results"], cwd=root,
                                capture_output=True, text=True, timeout=10).stdout.strip() != ""
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "", None

@@ -1,6 +1,6 @@
 """`make bench-sandbox`: how many small correct programs a second the sandbox runs (start, run, verdict),
 with a pool of 2 workers as the RL verifier would on the tiny preset's 2 cores. Writes
-runs/<preset>/bench/sandbox.json; the RESULTS.md section is the report's.
+runs/<preset>/bench/sandbox.json and rewrites RESULTS.md.
 """
 from __future__ import annotations
 
@@ -50,6 +50,9 @@ def main(cfg):
     out["command"] = f"make bench-sandbox PRESET={cfg.preset}" + (f' ARGS="{overrides}"' if overrides else "")
     out["provenance"] = provenance(cfg, "bench-sandbox", "", started, inputs={}, outputs={})
     write_atomic(stage_dir(cfg, "bench") / "sandbox.json", json.dumps(out, indent=2, sort_keys=True))
+    from recipe.eval.report import write_report
+
+    print(f"bench-sandbox: wrote {write_report(cfg)}")
 
 
 if __name__ == "__main__":
