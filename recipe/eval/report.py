@@ -30,6 +30,10 @@ def load_results(cfg) -> dict[str, dict]:
     return out
 
 
+def _commit(provenance: dict) -> str:
+    return provenance["git"]["commit"][:10] + ("+dirty" if provenance["git"]["dirty"] else "")
+
+
 def tiny_table(cfg, results: dict[str, dict]) -> str:
     if not results:
         return "_No evaluation results yet: run `make eval`._\n"
@@ -44,7 +48,7 @@ def tiny_table(cfg, results: dict[str, dict]) -> str:
         cells = [f"{r['env'][e][f'avg@{k}']:.3f} ± {r['env'][e]['stderr']:.3f}" if e in r["env"] else "-"
                  for e in envs]
         cells += [f"{r['env'][e].get(f'pass@{k}', float('nan')):.3f}" if e in r["env"] else "-" for e in envs]
-        commit = prov["git"]["commit"][:10] + ("+dirty" if prov["git"]["dirty"] else "")
+        commit = _commit(prov)
         lines.append(f"| {name} | " + " | ".join(cells) +
                      f" | {r['overall']['avg']:.3f} | {prov['wall_s']:.0f} | `{prov['config_hash']}` | {commit} |\n")
     return head + sep + "".join(lines)
@@ -61,8 +65,7 @@ def bench_section(cfg) -> str:
            "engine on one core, the trainer on the other. Steps/hour from the mean step time (step 1, which "
            "includes the engine's first fill, left out); reward = mean training reward over the second half of "
            f"the run; held-out = avg@{cfg.eval.samples} of the final policy. Commit "
-           f"{prov['git']['commit'][:10]}{'+dirty' if prov['git']['dirty'] else ''}, {prov['hardware']['cpus']} "
-           "CPUs.\n\n",
+           f"{_commit(prov)}, {prov['hardware']['cpus']} CPUs.\n\n",
            "| max_async_level | steps | samples | mean step s | steps/hour | vs sync | gen busy s/step | "
            "train s/step | reward (2nd half, ± s.e.) | held-out avg (± s.e.) | staleness (samples by age) |\n",
            "|---|---|---|---|---|---|---|---|---|---|---|\n"]
@@ -87,8 +90,7 @@ def sandbox_section(cfg) -> str:
     prov = b["provenance"]
     return (f"Reproduce: `{b['command']}`. {b['programs']} small correct stdin programs, each in a sandbox of its "
             f"own (backend `{b['backend']}`), {b['workers']} at a time: {b['seconds']:.2f} s, "
-            f"**{b['programs_per_s']:.1f} programs/s**. Commit {prov['git']['commit'][:10]}"
-            f"{'+dirty' if prov['git']['dirty'] else ''}, {prov['hardware']['cpus']} CPUs.\n")
+            f"**{b['programs_per_s']:.1f} programs/s**. Commit {_commit(prov)}, {prov['hardware']['cpus']} CPUs.\n")
 
 
 def _benchmark_cell(path: Path, paper_k: int) -> str:
@@ -158,7 +160,7 @@ def stage_table(cfg) -> str:
         p = stage_dir(cfg, name) / "manifest.json"
         if p.exists():
             m = json.loads(p.read_text())
-            commit = m["git"]["commit"][:10] + ("+dirty" if m["git"]["dirty"] else "")
+            commit = _commit(m)
             out.append(f"| {name} | {m['wall_s']:.0f} | `{m['config_hash']}` | {commit} | `make {name} "
                        f"PRESET={cfg.preset}` |\n")
     return "".join(out)
