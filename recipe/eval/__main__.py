@@ -74,19 +74,20 @@ def held_out_rows(cfg) -> list[dict]:
     return rows
 
 
-def _finished(results_path: Path, key: str) -> bool:
-    """Same key and nothing masked (a rerun retries masked problems)."""
-    if not results_path.exists():
+def _up_to_date(folder: Path, key: str) -> bool:
+    """True when folder/results.json was written with this key and has nothing masked. A different key (another
+    model or eval config) clears the folder's files, so the run starts over; the same key with masked problems
+    keeps the samples, so a rerun redoes only those. Files only: benchmark folders sit beside them."""
+    path = folder / "results.json"
+    if not path.exists():
         return False
-    res = json.loads(results_path.read_text())
-    return res.get("key") == key and not res.get("masked_problems")
-
-
-def _clear_files(folder: Path) -> None:
-    """Another model or eval config: start over. Files only: benchmark folders sit beside them."""
-    for f in folder.iterdir():
-        if f.is_file():
-            f.unlink()
+    res = json.loads(path.read_text())
+    if res.get("key") != key:
+        for f in folder.iterdir():
+            if f.is_file():
+                f.unlink()
+        return False
+    return not res.get("masked_problems")
 
 
 @stage_main
@@ -117,21 +118,16 @@ def main(cfg):
         jobs = []
         if cfg.eval.held_out:
             key = f"{held_out_hash(cfg)}-{model_sha}-{len(rows)}"
-            if _finished(out / "results.json", key):
+            if _up_to_date(out, key):
                 print(f"eval: {name} already evaluated ({out / 'results.json'}); nothing to do")
             else:
-                if (out / "results.json").exists():
-                    _clear_files(out)
                 jobs.append((None, key))
         for spec in specs:
             bout = out / spec.name
             key = f"{_sha([spec.protocol(), cfg.eval.batch_size, cfg.eval.seed])}-{model_sha}"
-            if _finished(bout / "results.json", key):
+            if _up_to_date(bout, key):
                 print(f"eval: {name} {spec.title} already evaluated ({bout / 'results.json'}); nothing to do")
                 continue
-            res_path = bout / "results.json"
-            if res_path.exists() and json.loads(res_path.read_text()).get("key") != key:
-                _clear_files(bout)
             jobs.append((spec, key))
         if not jobs:
             continue

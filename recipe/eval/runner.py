@@ -114,9 +114,11 @@ def evaluate(engine, tokenizer, rows: list[dict], eval_cfg, out_dir: Path, desc:
     return results_from_samples(samples_path, rows, eval_cfg)
 
 
-def problem_records(samples_path: Path, rows: list[dict], k: int) -> tuple[list[dict], list[str]]:
-    """(one record of env, task and k scores per judged problem, ids of the problems with a masked sample)."""
-    done = load_done(samples_path, k)
+def problem_records(samples_path: Path, rows: list[dict], k: int, done: dict | None = None
+                    ) -> tuple[list[dict], list[str]]:
+    """(one record of env, task and k scores per judged problem, ids of the problems with a masked sample).
+    `done`: the samples already read by load_done, to read the file once."""
+    done = load_done(samples_path, k) if done is None else done
     records, masked = [], []
     for r in rows:
         recs = sorted(done[r["id"]], key=lambda s: s["sample"])[:k]
@@ -128,9 +130,9 @@ def problem_records(samples_path: Path, rows: list[dict], k: int) -> tuple[list[
 
 
 def results_from_samples(samples_path: Path, rows: list[dict], eval_cfg) -> dict:
-    records, masked = problem_records(samples_path, rows, eval_cfg.samples)
-    out = breakdown(records, list(eval_cfg.pass_k))
     done = load_done(samples_path, eval_cfg.samples)
+    records, masked = problem_records(samples_path, rows, eval_cfg.samples, done)
+    out = breakdown(records, list(eval_cfg.pass_k))
     tokens = [s["tokens"] for recs in done.values() for s in recs]
     out["mean_completion_tokens"] = sum(tokens) / max(1, len(tokens))
     if masked:  # not judged: left out of every metric above, and counted here
