@@ -1,4 +1,6 @@
 """Test doubles: a character tokenizer and a scripted engine that answers at once."""
+import time
+
 from recipe.inference import Completion
 
 
@@ -37,6 +39,8 @@ class ScriptedEngine:
         if self.events:
             return self.events.pop(0)
         if not self.pending:
+            if timeout:  # a real engine blocks for up to `timeout`; do so briefly, so a poller does not spin
+                time.sleep(min(timeout, 0.01))
             return None
         batch, self.pending = self.pending[:self.batch], self.pending[self.batch:]
         out = []

@@ -106,7 +106,8 @@ def test_fn_fit_code_task_rows_are_scored_by_the_sandbox(tmp_path):
     rows = build_tiny(cfg.data)
     row = rows["sft"][0]
     demo = row["completion"][0]["content"]
-    assert row["env"] == "code" and "```python\ndef f(x):" in parse_final_answer(demo)
+    name = json.loads(row["info"])["entry"]["tests"]["fn_name"]
+    assert row["env"] == "code" and f"```python\ndef {name}(x):" in parse_final_answer(demo)
     env = get_env("code")
     assert env.score(demo, row).reward == 1.0
     wrong = demo.replace("return ", "return 1 + ")

@@ -274,3 +274,106 @@ def test_tools_task_override_composes():
                        "+rl.env_mix.tools=0.3"])
     assert cfg.data.extra_tasks[0].task == "tool_mul" and cfg.rl.env_mix["tools"] == 0.3
     assert [t.task for t in cfg.data.tasks] == ["add", "chain_sum", "letter_counting", "leg_counting"]
+
+
+# -- a tool that fails (not the model) masks the sample -----------------------------------------------------
+
+PY_CALL = call("python", code="print(37*48)")
+
+
+@pytest.fixture
+def broken_sandbox(monkeypatch):
+    import recipe.sandbox as sandbox
+    from recipe.sandbox import RunResult
+
+    def down(code, stdin, limits):
+        return RunResult("sandbox_error", None, "", "", False, 0.0, "bwrap: cannot create namespace")
+
+    monkeypatch.setattr(sandbox, "run_python", down)
+
+
+def test_a_broken_sandbox_in_the_python_tool_masks_the_sample_in_eval(tmp_path, broken_sandbox):
+    class PythonCaller(ToolEvalEngine):
+        def generate(self, prompts, params):
+            self.prompts.append(prompts)
+            return [Completion([ord(c) for c in PY_CALL], [-0.5] * len(PY_CALL), "stop", 0) for _ in prompts]
+
+    res = evaluate(PythonCaller(), CharTokenizer(), tool_rows(1), EvalConfig(samples=2, pass_k=[1], batch_size=4),
+                   tmp_path)
+    lines = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert all(ln["masked"] and "sandbox unavailable" in ln["reason"] for ln in lines)
+    assert lines[0]["completion"] == PY_CALL  # ended at the failed call: no error reply for the model to read
+    assert res["masked_problems"] == 1
+
+
+def test_a_broken_sandbox_in_the_python_tool_masks_the_sample_in_rl(broken_sandbox):
+    def answers(prompt, rid):  # sample 3 of each group calls python; 0 answers right; 1 and 2 wrongly
+        return {0: FINAL, 1: "<think></think>12", 2: "<think></think>12", 3: PY_CALL}[rid % 4]
+
+    orch = Orchestrator(tool_rows(), CharTokenizer(), rl_cfg(), ScriptedEngine(answers), seed=0)
+    samples, stats = orch.next_batch(0)
+    masked = [s for s in samples if not any(s.loss_mask)]
+    assert len(masked) == 2 and all(s.advantage == 0 for s in masked)
+    assert stats["masked_samples"] >= 2 and stats["tool_calls"] == 0
+    assert sorted(round(s.advantage, 6) for s in samples if any(s.loss_mask)) == \
+        [round(-1 / 3, 6)] * 4 + [round(2 / 3, 6)] * 2
+
+
+# -- the background event loop ------------------------------------------------------------------------------
+
+def test_background_loop_runs_tool_turns_and_scores_while_the_trainer_works():
+    import time
+
+    eng = ScriptedEngine(tool_answers, batch=4)
+    orch = Orchestrator(tool_rows(), CharTokenizer(), rl_cfg(max_async_level=1), eng, seed=0)
+    orch.start()
+    try:
+        samples, _ = orch.next_batch(0)
+        assert len(samples) == 8
+        # the trainer now works on step 0; nobody calls next_batch, yet the next batch's groups finish both
+        # of their turns and are scored
+        deadline = time.monotonic() + 10
+        while len(orch.ready) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with orch._cv:
+            assert len(orch.ready) == 2 and not orch.inflight
+            assert all(len(g.rewards) == 4 for g in orch.ready)
+        eng.update_weights(None, 1)
+        samples, stats = orch.next_batch(1)
+        assert len(samples) == 8 and stats["tool_calls"] >= 4
+        for s in samples:
+            if s.reward == 1:
+                check_tool_sample(s)
+    finally:
+        orch.close()
+    assert orch._thread is None
+
+
+def test_background_loop_at_sync_level_submits_nothing_ahead():
+    import time
+
+    eng = ScriptedEngine(tool_answers, batch=4)
+    orch = Orchestrator(tool_rows(), CharTokenizer(), rl_cfg(max_async_level=0), eng, seed=0)
+    orch.start()
+    try:
+        orch.next_batch(0)
+        time.sleep(0.3)
+        with orch._cv:
+            assert eng.submitted == 2 * (4 + 2)  # two groups: 4 first turns and 2 tool continuations each
+            assert not orch.inflight and not orch.ready
+    finally:
+        orch.close()
+
+
+def test_an_engine_failure_in_the_background_loop_reaches_next_batch():
+    class Dying(ScriptedEngine):
+        def poll(self, timeout=None):
+            raise RuntimeError("hf engine process died (exit code -9)")
+
+    orch = Orchestrator(tool_rows(), CharTokenizer(), rl_cfg(), Dying(tool_answers), seed=0)
+    orch.start()
+    try:
+        with pytest.raises(RuntimeError, match="exit code -9"):
+            orch.next_batch(0)
+    finally:
+        orch.close()

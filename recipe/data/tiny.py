@@ -110,17 +110,21 @@ RG_DIFFICULTY = {"chain_sum": lambda m: m["num_terms"] + m["num_digits"], "spell
                  "letter_counting": lambda m: m["span_length"], "leg_counting": lambda m: m["num_animals"]}
 
 
-def gen_fn_fit(rng: random.Random, max_slope: int = 9, max_intercept: int = 99, max_start: int = 3):
-    """Code: write f(x) = a*x + b from three consecutive examples; reward = the share of hidden tests the
-    program passes (x = 0, 4, 7, 10, -2), run in the sandbox. The trace reads a off a difference, then b."""
-    a, b, x0 = rng.randint(1, max_slope), rng.randint(0, max_intercept), rng.randint(0, max_start)
-    examples = ", ".join(f"f({x})={a * x + b}" for x in (x0, x0 + 1, x0 + 2))
-    question = f"Write a Python function f(x) with {examples}."
-    code = f"def f(x):\n    return {a}*x+{b}" if b else f"def f(x):\n    return {a}*x"
-    trace = f"f({x0 + 1})-f({x0})={a} so a={a}; f({x0})-{a}*{x0}={b} so b={b}"
-    hidden = [0, 4, 7, 10, -2]
-    entry = {"question": question, "answer": code, "metadata": {"slope": a, "intercept": b, "start": x0},
-             "tests": {"fn_name": "f", "inputs": [[x] for x in hidden], "outputs": [a * x + b for x in hidden]}}
+FN_NAMES = "fghk"
+
+
+def gen_fn_fit(rng: random.Random, max_slope: int = 9, max_intercept: int = 99, names: str = FN_NAMES):
+    """Code: write name(x) = a*x + b from its values at x = 0, 1, 2; reward = the share of hidden tests the
+    program passes (x = 3, 4, 7, 10, -2), run in the sandbox. The trace reads b off f(0) and a off a difference,
+    so the tiny model can learn it; the function's name varies so that there are enough distinct prompts."""
+    a, b, name = rng.randint(1, max_slope), rng.randint(0, max_intercept), rng.choice(names)
+    examples = ", ".join(f"{name}({x})={a * x + b}" for x in (0, 1, 2))
+    question = f"Write a Python function {name}(x) with {examples}."
+    code = f"def {name}(x):\n    return {a}*x+{b}" if b else f"def {name}(x):\n    return {a}*x"
+    trace = f"b={name}(0)={b}; a={name}(1)-{name}(0)={a * 1 + b}-{b}={a}"
+    hidden = [3, 4, 7, 10, -2]
+    entry = {"question": question, "answer": code, "metadata": {"slope": a, "intercept": b, "name": name},
+             "tests": {"fn_name": name, "inputs": [[x] for x in hidden], "outputs": [a * x + b for x in hidden]}}
     return question, code, trace, entry, float(a)
 
 

@@ -8,7 +8,8 @@ and ends where generation stops at <|observation|> (a stop token). The environme
     \\n<tool_response>RESULT</tool_response><|assistant|>\\n
 as environment tokens (loss_mask 0 in RL) and the model goes on, for at most max_turns model turns. A turn that
 does not end at <|observation|> is final. A bad call (invalid JSON, unknown tool, bad expression) gets an error
-in the tool response, never an exception. The answer is read from the last model turn, after its </think>.
+in the tool response, never an exception. A tool that itself fails (the python tool's sandbox is down) ends the
+sample as masked: neither right nor wrong, like a broken verifier. The answer is read from the last model turn, after its </think>.
 
 Rollout helpers shared by eval and RL: Transcript accumulates a sample's turns, next_reply decides on the next one.
 """
@@ -21,7 +22,7 @@ import operator
 import re
 from dataclasses import dataclass, field
 
-from recipe.envs.base import Environment
+from recipe.envs.base import Environment, MaskSample, RewardResult
 
 OBSERVATION = "<|observation|>"
 ASSISTANT = "<|assistant|>"
@@ -107,8 +108,8 @@ def run_python_tool(code: str) -> str:
     from recipe.sandbox import Limits, run_python  # imported here: the calculator does not need it
 
     res = run_python(code, "", Limits(cpu_s=2.0, wall_s=5.0, memory_mb=256, output_bytes=4096))
-    if res.sandbox_failed:
-        return f"error: sandbox unavailable ({res.reason})"
+    if res.sandbox_failed:  # the tool, not the model, failed: the sample cannot be judged fairly
+        raise MaskSample(f"python tool: sandbox unavailable ({res.reason})")
     if res.status != "ok":
         tail = res.stderr.strip().splitlines()[-1:] or [res.reason]
         return f"error ({res.status}): {tail[0]}"
@@ -212,6 +213,7 @@ class Transcript:
     last_turn: list = field(default_factory=list)
     finish_reason: str = "stop"
     policy_version: int | None = None
+    mask_reason: str | None = None  # set when a tool failed (not the model): the sample is masked
 
     def add_model(self, completion) -> None:
         self.ids += completion.token_ids
@@ -231,8 +233,11 @@ class Transcript:
     def completion(self):
         from recipe.inference import Completion
 
+        extra = {"loss_mask": list(self.loss_mask), "turns": self.turns}
+        if self.mask_reason:
+            extra["mask_reason"] = self.mask_reason
         return Completion(list(self.ids), list(self.logprobs), self.finish_reason, self.policy_version or 0,
-                          extra={"loss_mask": list(self.loss_mask), "turns": self.turns})
+                          extra=extra)
 
 
 def next_reply(env, tokenizer, transcript: Transcript, row: dict) -> list[int] | None:
@@ -241,5 +246,17 @@ def next_reply(env, tokenizer, transcript: Transcript, row: dict) -> list[int] |
 
     if transcript.turns >= env.max_turns or transcript.finish_reason != "stop":
         return None
-    reply = env.tool_reply(completion_text(tokenizer, transcript.last_turn), row)
+    try:
+        reply = env.tool_reply(completion_text(tokenizer, transcript.last_turn), row)
+    except MaskSample as e:  # the sample ends here, masked
+        transcript.mask_reason = str(e)
+        return None
     return None if reply is None else tokenizer.encode(reply, add_special_tokens=False)
+
+
+def score_sample(env, text: str, row: dict, completion) -> RewardResult:
+    """env.score, except that a sample whose tool failed is masked whatever its text says."""
+    reason = completion.extra.get("mask_reason") if completion.extra else None
+    if reason:
+        return RewardResult(reward=0.0, masked=True, mask_reason=reason)
+    return env.score(text, row)

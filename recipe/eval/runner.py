@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from recipe.envs import get_env
 from recipe.envs.base import parse_final_answer
-from recipe.envs.tools import Transcript, next_reply
+from recipe.envs.tools import Transcript, next_reply, score_sample
 from recipe.eval.metrics import breakdown
 from recipe.inference import SamplingParams
 from recipe.model import completion_text, encode_prompt
@@ -102,7 +102,7 @@ def evaluate(engine, tokenizer, rows: list[dict], eval_cfg, out_dir: Path, desc:
             for s in range(k):
                 c = completions[i * k + s]
                 text = completion_text(tokenizer, c.token_ids)
-                res = env.score(text, row)
+                res = score_sample(env, text, row, c)
                 lines.append({"id": row["id"], "env": row["env"], "task": row["task"], "sample": s,
                               "completion": text, "score": res.reward, "tokens": len(c.token_ids),
                               "masked": res.masked,

@@ -76,6 +76,7 @@ def _rl_loop(cfg, stage_dir, start_model):
         print(f"rl: resuming from {last} (step {step})")
     metrics = MetricsLog(stage_dir / "metrics.jsonl", resume_step=step if last else None)
     engine = make_engine(cfg, start_model, version=0, log_dir=stage_dir)
+    orch = None
     try:
         if step > 0:
             engine.update_weights(publish_weights(accelerator.unwrap_model(model), weights_dir, step), step)
@@ -83,6 +84,7 @@ def _rl_loop(cfg, stage_dir, start_model):
         orch = Orchestrator(rows, tokenizer, rl, engine, seed=rl.seed, max_pass_rate=rl.max_pass_rate)
         if orch_state:
             orch.load_state_dict(orch_state)
+        orch.start()
         print(f"rl: {sum(len(v) for v in orch.rows.values())} prompts "
               f"({orch.offline_dropped} dropped by the offline pass-rate filter); env mix {dict(rl.env_mix)}")
         bar = tqdm(total=rl.max_steps, initial=step, desc="rl", unit="step")
@@ -112,6 +114,8 @@ def _rl_loop(cfg, stage_dir, start_model):
             bar.update(1)
         bar.close()
     finally:
+        if orch is not None:
+            orch.close()
         engine.close()
     out = stage_dir / "model"
     accelerator.unwrap_model(model).save_pretrained(str(out))

@@ -8,18 +8,22 @@
 - Filters: offline, rows whose precomputed pass rate is above max_pass_rate never enter; online, groups whose
   rewards are all equal (all 0 or all 1) carry no signal and are dropped.
 - Advantage = reward - mean reward of the group (no division by the std).
+- start() moves the event loop (polling the engine, tool turns, scoring, top-ups) to a thread of its own, so
+  that the next tool turn is submitted and rollouts are scored while the trainer works: neither a sandbox run nor
+  a tool call sits between two optimizer steps. Without start(), next_batch polls the engine itself (tests).
 """
 from __future__ import annotations
 
 import math
 import random
+import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from recipe.config import ConfigError
 from recipe.envs import get_env
-from recipe.envs.tools import Transcript, next_reply
+from recipe.envs.tools import Transcript, next_reply, score_sample
 from recipe.inference import Completion, SamplingParams
 from recipe.inference.worker import Request
 from recipe.model import completion_text, encode_prompt
@@ -89,8 +93,16 @@ class Orchestrator:
         self.ready: deque[Group] = deque()
         self.counters = Counter()
         self.gen_busy_s = 0.0
-        self._last_filtered: list[Group] = []
+        self._last_filtered: list[Group] = []  # groups filtered since the last batch (for its stats)
+        self._counters_at_last_batch = Counter()
+        self._busy_at_last_batch = 0.0
         self.filter_rate = 0.0
+        # background event loop (start()); _cv guards every field above once it runs
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        self._error: BaseException | None = None
+        self._need = 0  # groups the waiting next_batch still lacks
 
     # -- prompts -------------------------------------------------------------------------------------------
     def _shuffled(self, env: str, epoch: int) -> list[int]:
@@ -109,6 +121,10 @@ class Orchestrator:
         return row
 
     def state_dict(self) -> dict:
+        with self._cv:
+            return self._state_dict()
+
+    def _state_dict(self) -> dict:
         return {"cursor": self.cursor, "epoch": self.epoch, "rng": self.rng.getstate(), "next_gid": self.next_gid,
                 "counters": dict(self.counters), "filter_rate": self.filter_rate}
 
@@ -119,6 +135,7 @@ class Orchestrator:
         self.rng.setstate((rng_state[0], tuple(rng_state[1]), rng_state[2]))
         self.next_gid = state["next_gid"]
         self.counters = Counter(state["counters"])
+        self._counters_at_last_batch = Counter(self.counters)
         self.filter_rate = state.get("filter_rate", 0.0)
 
     # -- scheduling ----------------------------------------------------------------------------------------
@@ -194,7 +211,7 @@ class Orchestrator:
         for s in range(self.cfg.rollouts_per_example):
             c: Completion = group.completions[s]
             text = completion_text(self.tokenizer, c.token_ids)
-            res = env.score(text, group.row)
+            res = score_sample(env, text, group.row, c)
             if res.errors:
                 self.counters["reward_errors"] += len(res.errors)
             if res.masked:  # not a wrong answer: the sample leaves the loss and the group mean
@@ -211,29 +228,79 @@ class Orchestrator:
             return
         self.ready.append(group)
 
+    # -- the background event loop ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Run the event loop in a thread; next_batch then only waits for scored groups."""
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="orchestrator")
+        self._thread.start()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            with self._cv:
+                self._stop = True
+            self._thread.join(timeout=30)
+            self._thread = None
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                with self._cv:
+                    if self._stop:
+                        return
+                    self._top_up(self._need)
+                event = self.engine.poll(timeout=0.05)
+                if event is not None:
+                    with self._cv:
+                        self._on_event(event)
+                        self._cv.notify_all()
+        except BaseException as e:  # handed to the trainer's thread, which raises it
+            with self._cv:
+                self._error = e
+                self._cv.notify_all()
+
+    def _wait_for_ready(self) -> None:
+        """Block until a scored group is ready (background loop) or poll the engine once (foreground)."""
+        if self._thread is None:
+            self._top_up(self._need)
+            event = self.engine.poll(timeout=600)
+            if event is None:
+                raise RuntimeError("rl: the engine produced nothing for 600 s")
+            self._on_event(event)
+            return
+        deadline = time.monotonic() + 600
+        while not self.ready and self._error is None:
+            if not self._thread.is_alive():
+                raise RuntimeError("rl: the orchestrator's event loop stopped")
+            if time.monotonic() > deadline:
+                raise RuntimeError("rl: the engine produced nothing for 600 s")
+            self._cv.wait(timeout=1.0)
+        if self._error is not None:
+            raise RuntimeError(f"rl: the orchestrator's event loop failed: {self._error!r}") from self._error
+
     def next_batch(self, step: int) -> tuple[list[Sample], dict]:
         """Block until batch_size usable groups exist for trainer step `step`; returns samples and stats."""
         t0 = time.perf_counter()
         min_version = step - self.cfg.max_async_level
         batch: list[Group] = []
-        self._last_filtered: list[Group] = []
-        counters_before = Counter(self.counters)
-        busy_before = self.gen_busy_s
-        while len(batch) < self.cfg.batch_size:
-            while self.ready and len(batch) < self.cfg.batch_size:
-                g = self.ready.popleft()
-                if g.version < min_version:
-                    self.counters["groups_stale"] += 1
-                else:
-                    batch.append(g)
-            if len(batch) == self.cfg.batch_size:
-                break
-            self._top_up(self.cfg.batch_size - len(batch))
-            event = self.engine.poll(timeout=600)
-            if event is None:
-                raise RuntimeError("rl: the engine produced nothing for 600 s")
-            self._on_event(event)
-        self._top_up(0)  # the next batches' groups generate while the trainer works on this one
+        with self._cv:
+            while len(batch) < self.cfg.batch_size:
+                while self.ready and len(batch) < self.cfg.batch_size:
+                    g = self.ready.popleft()
+                    if g.version < min_version:
+                        self.counters["groups_stale"] += 1
+                    else:
+                        batch.append(g)
+                if len(batch) == self.cfg.batch_size:
+                    break
+                self._need = self.cfg.batch_size - len(batch)
+                self._wait_for_ready()
+            self._need = 0
+            if self._thread is None:  # (the background loop tops up by itself)
+                self._top_up(0)  # the next batches' groups generate while the trainer works on this one
+            stats = self._batch_stats(batch, step, t0)
+        return self._samples(batch), stats
+
+    def _samples(self, batch: list[Group]) -> list[Sample]:
         samples = []
         for g in batch:
             judged = [r for r, m in zip(g.rewards, g.masked) if not m]
@@ -244,12 +311,17 @@ class Orchestrator:
                 mask = c.extra.get("loss_mask", [1] * len(c.token_ids))  # 0 on environment (tool) tokens
                 samples.append(Sample(g.prompt_ids, c.token_ids, c.logprobs, [m * keep for m in mask],
                                       (g.rewards[s] - mean) * keep, g.rewards[s], c.policy_version, g.row["env"]))
-        delta = self.counters - counters_before
+        return samples
+
+    def _batch_stats(self, batch: list[Group], step: int, t0: float) -> dict:
+        """Stats of this batch and of everything scored since the previous one (filtered groups included)."""
+        delta = self.counters - self._counters_at_last_batch
         all_groups = batch + self._last_filtered
         all_rewards = [r for g in all_groups for r, m in zip(g.rewards, g.masked) if not m] or [0.0]
+        versions = Counter(step - c.policy_version for g in batch for c in g.completions.values())
         stats = {
             "wait_s": time.perf_counter() - t0,
-            "gen_busy_s": self.gen_busy_s - busy_before,
+            "gen_busy_s": self.gen_busy_s - self._busy_at_last_batch,
             "reward": sum(all_rewards) / len(all_rewards),
             "pass_rate": sum(r >= 1 for r in all_rewards) / len(all_rewards),
             "filtered_groups": delta["filtered_all_correct"] + delta["filtered_all_wrong"],
@@ -260,10 +332,13 @@ class Orchestrator:
             "reward_errors": delta["reward_errors"],
             "masked_samples": delta["samples_masked"],
             "tool_calls": delta["tool_calls"],
-            "staleness": dict(sorted(Counter(step - s.policy_version for s in samples).items())),
+            "staleness": dict(sorted(versions.items())),
             "reward_by_env": {e: sum(g.rewards[i] for g in all_groups if g.row["env"] == e
                                      for i in range(len(g.rewards))) /
                               max(1, sum(len(g.rewards) for g in all_groups if g.row["env"] == e))
                               for e in sorted({g.row["env"] for g in all_groups})},
         }
-        return samples, stats
+        self._counters_at_last_batch = Counter(self.counters)
+        self._busy_at_last_batch = self.gen_busy_s
+        self._last_filtered = []
+        return stats
