@@ -49,11 +49,10 @@ def gen_tool_mul(rng: random.Random, min_digits: int = 2, max_digits: int = 2):
 
 
 def tool_sft_completion(prompt: str, entry: dict, hasty_fraction: float) -> str:
-    """A calculator call, the tool's reply, then the answer, as one transcript. TRL's prompt/completion format
-    has no way to leave a middle segment out of the loss, so the tool reply is trained on too; it is copied
-    from the call just before it, so it teaches little harm. For a hashed share of prompts a hasty
-    demonstrator answers at once with a guess, often wrong, as the tiny model would: RL then finds that
-    calling the tool pays."""
+    """A calculator call, the tool's reply, then the answer, as one transcript. The reply is the text
+    ToolsEnv.tool_reply writes; SFT (recipe.sft.chat_dataset) finds it there and leaves it out of the loss, as
+    RL does. For a hashed share of prompts a hasty demonstrator answers at once with a guess, often wrong, as
+    the tiny model would: RL then finds that calling the tool pays."""
     a, b = entry["metadata"]["a"], entry["metadata"]["b"]
     h = int(hashlib.sha256(f"hasty:{prompt}".encode()).hexdigest(), 16)
     if h % 10_000 / 10_000 < hasty_fraction:

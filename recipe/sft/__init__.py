@@ -1,17 +1,26 @@
 """Supervised training on TRL's SFTTrainer, shared by `make base` (plain text) and `make sft` (chat data).
 
-TRL does the work: completion-only loss for prompt/completion rows, packing when asked, checkpoints. This
-module adds what the recipe needs around it: resume from the last checkpoint, metrics.jsonl, a final model
-folder in Hugging Face format.
+TRL does the work: loss masking, packing when asked, checkpoints. This module adds what the recipe needs
+around it: resume from the last checkpoint, metrics.jsonl, a final model folder in Hugging Face format, and
+chat rows tokenized here (`chat_dataset`) so that a tool-use demonstration leaves the environment's reply out
+of the loss, as RL does.
 """
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import torch
 
+from recipe.envs.tools import ASSISTANT, OBSERVATION
 from recipe.runs import MetricsLog
+
+# The environment's reply inside a demonstration: from just after the model's <|observation|> stop token
+# through the <|assistant|>\n that hands the turn back; the text ToolsEnv.tool_reply writes.
+ENV_REPLY = re.compile(re.escape(OBSERVATION) + r"(\n<tool_response>.*?</tool_response>" + re.escape(ASSISTANT)
+                       + r"\n)", re.DOTALL)
 
 
 def _metrics_callback(metrics: MetricsLog):
@@ -83,11 +92,46 @@ def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_
     return out
 
 
-def chat_dataset(rows: list[dict]):
-    """Schema rows -> TRL's conversational prompt/completion format."""
+def tokenize_chat_row(tokenizer, prompt: list[dict], completion: list[dict]) -> dict[str, list[int]]:
+    """input_ids and assistant_masks (1 = trained) of one prompt/completion conversation.
+
+    Without a tool reply this is TRL's own processing of a conversational prompt/completion row: the chat
+    template renders prompt + completion (its <|endoftext|> closes the assistant turn, TRL adds no other EOS),
+    one tokenization of that text, and the prompt is the leading tokens it shares with the prompt rendered alone
+    with the generation prompt (trl.data_utils.common_prefix_length). Each environment reply is cut out of the
+    text and tokenized on its own, as next_reply does in RL, and so is the model turn after it: the ids are
+    those RL and eval see, and the reply's tokens get mask 0.
+    """
+    from trl.data_utils import common_prefix_length
+
+    prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+    # replies are looked for in the completion only: the prompt is the user's text
+    completion_start = len(os.path.commonprefix([prompt_text, text]))
+    pieces, pos = [], 0  # (text, 1 if the model wrote it)
+    for m in ENV_REPLY.finditer(text, completion_start):
+        pieces += [(text[pos:m.start(1)], 1), (m.group(1), 0)]
+        pos = m.end(1)
+    pieces.append((text[pos:], 1))
+    input_ids, mask = [], []
+    for piece, trained in pieces:
+        ids = tokenizer.encode(piece, add_special_tokens=False)
+        input_ids += ids
+        mask += [trained] * len(ids)
+    prompt_len = common_prefix_length(tokenizer.encode(prompt_text, add_special_tokens=False), input_ids)
+    mask[:prompt_len] = [0] * prompt_len
+    return {"input_ids": input_ids, "assistant_masks": mask}
+
+
+def chat_dataset(rows: list[dict], tokenizer):
+    """Schema rows -> a tokenized dataset (input_ids, assistant_masks) for SFTTrainer.
+
+    TRL builds the labels of a tokenized dataset from an `assistant_masks` column whatever SFTConfig says
+    (SFTTrainer._prepare_dataset), then truncates and packs as for its own tokenization. A prompt/completion
+    row could only mask the prompt, not the tool reply in the middle of the completion."""
     from datasets import Dataset
 
     def msgs(ms):
         return [{"role": m["role"], "content": m["content"]} for m in ms]
 
-    return Dataset.from_list([{"prompt": msgs(r["prompt"]), "completion": msgs(r["completion"])} for r in rows])
+    return Dataset.from_list([tokenize_chat_row(tokenizer, msgs(r["prompt"]), msgs(r["completion"])) for r in rows])

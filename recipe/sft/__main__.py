@@ -1,4 +1,4 @@
-"""`make sft`: SFT of the base model on the SFT split, loss on assistant tokens only (TRL's SFTTrainer)."""
+"""`make sft`: SFT of the base model on the SFT split, loss on the model's own tokens only (TRL's SFTTrainer)."""
 from __future__ import annotations
 
 import torch
@@ -25,7 +25,7 @@ def main(cfg):
     stage.begin()
     model, tokenizer = load_pretrained(base_model_path(cfg), cfg.model.revision, cfg.model.dtype,
                                        cfg.model.attn_implementation)
-    out = train_supervised(model, tokenizer, chat_dataset(rows), cfg.sft, stage.dir,
+    out = train_supervised(model, tokenizer, chat_dataset(rows, tokenizer), cfg.sft, stage.dir,
                            use_cpu=not torch.cuda.is_available())
     stage.finish(inputs={"sft_data": data_dir / "sft.parquet"}, outputs={"model": out})
 

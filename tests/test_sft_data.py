@@ -1,0 +1,146 @@
+"""SFT data: a tool-use demonstration is tokenized as RL sees it, the environment's reply out of the loss; any
+other row gets exactly the ids and loss mask of TRL's own prompt/completion processing."""
+import json
+
+import pytest
+
+from recipe.envs.tools import ASSISTANT, OBSERVATION
+
+
+def _calls_tool(row) -> bool:
+    return OBSERVATION in row["completion"][0]["content"]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A few rows of a math, a logic and the tools task, and a tokenizer trained as `make base` trains it."""
+    from recipe.config import load_config
+    from recipe.data.tiny import build_tiny
+    from recipe.model import build_tokenizer
+
+    root = tmp_path_factory.mktemp("runs")
+    cfg = load_config([f"run_root={root}", "data.sft_rows_per_task=12", "data.rl_rows_per_task=2",
+                       "data.eval_rows_per_task=2", "data.pretrain_rows_per_task=50",
+                       "data.tasks=[{env: math, task: add, params: {}}, {env: logic, task: letter_counting, "
+                       "params: {min_words: 3, max_words: 4}}]",
+                       "data.extra_tasks=[{env: tools, task: tool_mul, params: {min_digits: 2, max_digits: 2}}]"])
+    data = build_tiny(cfg.data)
+    rows = data["sft"]
+    texts = [r["text"] for r in data["pretrain"]] + [r["prompt"][0]["content"] + r["completion"][0]["content"]
+                                                      for r in rows]
+    tokenizer = build_tokenizer(texts, cfg.model.tiny.vocab_size)
+    calls = [r for r in rows if _calls_tool(r)]
+    assert calls and len(calls) < len(rows), "the rows must hold tool calls and rows without one"
+    return cfg, tokenizer, rows
+
+
+def test_tool_reply_is_out_of_the_loss_and_ids_are_those_rl_sees(tiny):
+    """Replay the demonstration through RL's own bookkeeping (Transcript, next_reply): the SFT row must have the
+    same ids and the same loss mask, the prompt masked too."""
+    from recipe.envs.tools import ToolsEnv, Transcript, next_reply
+    from recipe.inference import Completion
+    from recipe.model import encode_prompt
+    from recipe.sft import tokenize_chat_row
+
+    _, tok, rows = tiny
+    row = next(r for r in rows if _calls_tool(r))
+    demo = row["completion"][0]["content"]
+    first_turn = demo[:demo.index(OBSERVATION) + len(OBSERVATION)]  # the model stops at <|observation|>
+    final_turn = demo[demo.index(f"{ASSISTANT}\n") + len(ASSISTANT) + 1:] + tok.eos_token
+
+    transcript = Transcript()
+    ids = tok.encode(first_turn, add_special_tokens=False)
+    transcript.add_model(Completion(ids, [0.0] * len(ids)))
+    reply_ids = next_reply(ToolsEnv(), tok, transcript, row)
+    transcript.add_env(reply_ids)
+    ids = tok.encode(final_turn, add_special_tokens=False)
+    transcript.add_model(Completion(ids, [0.0] * len(ids)))
+    prompt_ids = encode_prompt(tok, row["prompt"])
+
+    got = tokenize_chat_row(tok, row["prompt"], row["completion"])
+    assert got["input_ids"] == prompt_ids + transcript.ids
+    assert got["assistant_masks"] == [0] * len(prompt_ids) + transcript.loss_mask
+
+    # the boundaries, spelled out: the model's <|observation|> is trained, the reply is not, the answer is
+    mask, observation = got["assistant_masks"], got["input_ids"].index(tok.convert_tokens_to_ids(OBSERVATION))
+    reply_end = observation + 1 + len(reply_ids)
+    assert mask[observation] == 1 and set(mask[observation + 1:reply_end]) == {0} and set(mask[reply_end:]) == {1}
+    assert tok.decode(got["input_ids"][observation + 1:reply_end]) == ToolsEnv().tool_reply(first_turn, row)
+    assert tok.decode(got["input_ids"][reply_end:]) == final_turn
+
+
+def test_every_reply_of_a_two_call_demonstration_is_out_of_the_loss(tiny):
+    from recipe.envs.tools import ToolsEnv
+    from recipe.model import encode_prompt
+    from recipe.sft import tokenize_chat_row
+
+    _, tok, rows = tiny
+    row = next(r for r in rows if _calls_tool(r))
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "%s"}}</tool_call>' + OBSERVATION
+    turns = [call % "12*3", call % "36+1", "<think>\n</think>\n37"]
+    replies = [ToolsEnv().tool_reply(t, row) for t in turns[:2]]
+    demo = turns[0] + replies[0] + turns[1] + replies[1] + turns[2]
+    got = tokenize_chat_row(tok, row["prompt"], [{"role": "assistant", "content": demo}])
+    masked = [i for i, m in zip(got["input_ids"], got["assistant_masks"]) if m == 0]
+    n_prompt = len(encode_prompt(tok, row["prompt"]))
+    assert tok.decode(masked[n_prompt:]) == "".join(replies)
+
+
+def _prepared(dataset, model, tok, out_dir):
+    """The train dataset as SFTTrainer prepares it: input_ids and labels (-100 = out of the loss)."""
+    from trl import SFTConfig, SFTTrainer
+
+    args = SFTConfig(output_dir=str(out_dir), max_length=1024, use_cpu=True, report_to="none",
+                     dataloader_num_workers=0)
+    return SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tok).train_dataset
+
+
+def test_rows_without_a_tool_reply_are_what_trl_makes_of_the_conversational_row(tiny, tmp_path):
+    """TRL's processing of the old dataset (conversational prompt/completion rows) against its processing of
+    chat_dataset: same ids everywhere, same labels except the tool replies, which only the new one masks."""
+    from datasets import Dataset
+
+    from recipe.model import build_tiny_model
+    from recipe.sft import chat_dataset
+
+    cfg, tok, rows = tiny
+    model = build_tiny_model(cfg.model.tiny, tok)
+
+    def msgs(ms):
+        return [{"role": m["role"], "content": m["content"]} for m in ms]
+
+    conversational = Dataset.from_list([{"prompt": msgs(r["prompt"]), "completion": msgs(r["completion"])}
+                                        for r in rows])
+    old = _prepared(conversational, model, tok, tmp_path / "old")
+    new = _prepared(chat_dataset(rows, tok), model, tok, tmp_path / "new")
+    assert len(old) == len(new) == len(rows)
+    eos = tok.convert_tokens_to_ids("<|endoftext|>")
+    for row, a, b in zip(rows, old, new):
+        assert b["input_ids"] == a["input_ids"]
+        # TRL adds no EOS to a conversational row: the template's <|endoftext|> ends it, and it is trained
+        assert a["input_ids"][-1] == eos and a["labels"][-1] == b["labels"][-1] == eos
+        assert a["input_ids"].count(eos) == 1
+        if not _calls_tool(row):
+            assert b["labels"] == a["labels"]
+            continue
+        changed = [i for i, (x, y) in enumerate(zip(a["labels"], b["labels"])) if x != y]
+        assert changed and all(b["labels"][i] == -100 for i in changed)
+        masked_text = tok.decode([a["input_ids"][i] for i in changed])
+        assert changed == list(range(changed[0], changed[-1] + 1))  # one span
+        assert masked_text.startswith("\n<tool_response>") and masked_text.endswith(f"</tool_response>{ASSISTANT}\n")
+
+
+def test_a_short_sft_run_trains_on_the_masked_dataset(tiny, tmp_path):
+    from recipe.config import load_config
+    from recipe.model import build_tiny_model
+    from recipe.sft import chat_dataset, train_supervised
+
+    cfg, tok, rows = tiny
+    sft = load_config(["sft.max_steps=2", "sft.batch_size=4", "sft.logging_steps=1", "sft.save_steps=100",
+                       "sft.threads=1"]).sft
+    out = train_supervised(build_tiny_model(cfg.model.tiny, tok), tok, chat_dataset(rows, tok), sft,
+                           tmp_path / "sft", use_cpu=True)
+    assert (out / "model.safetensors").exists()
+    losses = [json.loads(x)["loss"] for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(x)]
+    assert len(losses) == 2 and all(0 < x < 100 for x in losses)
