@@ -36,8 +36,8 @@ def test_rows_follow_the_schema_and_the_think_format(data_dir):
     d, _, cfg = data_dir
     sft = read_split(d, "sft")
     assert len(sft) == 300 * len(cfg.data.tasks)
-    assert {r["env"] for r in sft} == {"math", "logic"}
-    for r in sft[:50]:
+    assert {r["env"] for r in sft} == {"math", "logic", "code", "tools"}
+    for r in [r for r in sft if r["env"] != "tools"][::20]:
         text = r["completion"][0]["content"]
         assert text.startswith("<think>\n") and "\n</think>\n" in text
         assert r["answer"] in text.split("</think>")[1]
@@ -49,6 +49,8 @@ def test_sft_answers_are_correct_by_the_env_verifiers(data_dir):
 
     d, _, _ = data_dir
     for r in read_split(d, "sft")[::37]:
+        if r["env"] == "tools" and "<tool_call>" not in r["completion"][0]["content"]:
+            continue  # a hasty demonstrator's guess, wrong on purpose (tests/test_tools_env.py)
         assert get_env(r["env"]).score(r["completion"][0]["content"], r).reward == 1.0, r["id"]
 
 

@@ -267,13 +267,18 @@ def test_tool_mul_sft_rows_render_and_call_the_calculator():
     assert {r["env"] for r in out["rl"]} == {"tools"} and out["rl"][0]["completion"] == []
 
 
-def test_tools_task_override_composes():
+def test_tiny_preset_trains_every_environment_and_extra_tasks_compose():
     from recipe.config import load_config
 
-    cfg = load_config(["data.extra_tasks=[{env: tools, task: tool_mul, params: {min_digits: 2, max_digits: 2}}]",
-                       "+rl.env_mix.tools=0.3"])
-    assert cfg.data.extra_tasks[0].task == "tool_mul" and cfg.rl.env_mix["tools"] == 0.3
-    assert [t.task for t in cfg.data.tasks] == ["add", "chain_sum", "letter_counting", "leg_counting"]
+    cfg = load_config([])
+    assert [(t.env, t.task) for t in cfg.data.tasks] == [
+        ("math", "add"), ("math", "chain_sum"), ("logic", "letter_counting"), ("logic", "leg_counting"),
+        ("code", "fn_fit"), ("tools", "tool_mul")]
+    assert set(cfg.rl.env_mix) == {"math", "logic", "code", "tools"}
+    assert sum(cfg.rl.env_mix.values()) == pytest.approx(1.0)
+    cfg = load_config(["data.extra_tasks=[{env: math, task: add, params: {min_digits: 3, max_digits: 3}}]",
+                       "rl.env_mix.tools=0.3"])
+    assert cfg.data.extra_tasks[0].params == {"min_digits": 3, "max_digits": 3} and cfg.rl.env_mix["tools"] == 0.3
 
 
 # -- a tool that fails (not the model) masks the sample -----------------------------------------------------
