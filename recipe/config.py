@@ -82,6 +82,10 @@ class DataConfig:
     # share of SFT demonstrations that answer at once, with an empty <think></think>: the SFT data mixes a
     # careful and a hasty demonstrator, and RL has to find out that reasoning first pays
     no_think_fraction: float = 0.0
+    # the same for tool-use demonstrations: a share that guesses at once instead of calling the tool (kept
+    # apart: a guess and an answer copied from the tool share their format, and too many guesses teach the
+    # tiny model to guess after the tool's reply too)
+    tool_hasty_fraction: float = 0.0
     rl_rows_per_task: int = 1000
     eval_rows_per_task: int = 100
     pretrain_rows_per_task: int = 3000

@@ -240,7 +240,7 @@ def test_tool_mul_sft_rows_render_and_call_the_calculator():
     from recipe.data.tiny import build_tiny
 
     cfg = OmegaConf.structured(DataConfig(sft_rows_per_task=60, rl_rows_per_task=20, eval_rows_per_task=10,
-                                          pretrain_rows_per_task=10, no_think_fraction=0.35,
+                                          pretrain_rows_per_task=10, tool_hasty_fraction=0.35,
                                           extra_tasks=[TaskSpec(env="tools", task="tool_mul")]))
     out = build_tiny(cfg)
     sft = out["sft"]

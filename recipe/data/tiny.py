@@ -192,7 +192,7 @@ def build_tiny(data_cfg) -> dict[str, list[dict]]:
                     out["pretrain"].append({"text": f"{question}\n{trace}\n{answer}"})
                 continue
             if spec.env == "tools":
-                completion = tool_sft_completion(text, entry, data_cfg.no_think_fraction)
+                completion = tool_sft_completion(text, entry, data_cfg.tool_hasty_fraction)
             else:
                 completion = sft_completion(text, trace, answer_text(spec.env, answer), data_cfg.no_think_fraction)
             row = {

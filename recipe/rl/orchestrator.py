@@ -14,7 +14,6 @@
 """
 from __future__ import annotations
 
-import math
 import random
 import threading
 import time
@@ -168,11 +167,12 @@ class Orchestrator:
         With max_async_level=0 nothing runs ahead: the next batch is submitted only after the weights it must
         be sampled with have been sent to the engine.
         """
-        # groups come back filtered at about the recent rate: submit enough that the wanted number survive,
-        # so the engine is not left idle waiting for replacements
+        # groups in flight come back filtered at about the recent rate: submit until the expected number of
+        # usable groups (ready ones count in full) covers the want, so the engine is not left idle waiting for
+        # replacements, and no more, since a surplus grows stale in the ready queue
         keep = 1.0 - min(self.filter_rate, 0.75)
-        target = math.ceil((need + self.cfg.batch_size * self.cfg.max_async_level) / keep)
-        while len(self.inflight) + len(self.ready) < target:
+        want = need + self.cfg.batch_size * self.cfg.max_async_level
+        while len(self.ready) + keep * len(self.inflight) < want:
             self._submit_new_group()
 
     def _on_event(self, event) -> None:

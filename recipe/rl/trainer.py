@@ -77,6 +77,9 @@ def train_step(model, optimizer, schedulers, accelerator, samples, rl_cfg, pad_i
     """One optimizer step on the batch; the loss is normalised by the loss tokens of the whole step."""
     model.train()
     total_tokens = sum(sum(s.loss_mask) for s in samples)
+    # micro-batches of similar lengths pad less (a tool transcript is twice a one-line answer); the loss is a
+    # sum normalised by the step's tokens, so the grouping does not change it
+    samples = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
     totals: dict = {}
     for start in range(0, len(samples), rl_cfg.micro_batch_size):
         mb = samples[start:start + rl_cfg.micro_batch_size]
