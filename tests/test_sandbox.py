@@ -391,3 +391,18 @@ def test_backend_and_results_are_plain_data():
     res = run_python("import sys\nprint(sys.stdin.read().upper(), end='')\nexit(0)", "abc", FAST)
     assert (res.status, res.returncode, res.stdout, res.truncated) == ("ok", 0, "ABC", False)
     json.dumps(res.__dict__)
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2 or not hasattr(os, "sched_setaffinity"), reason="needs 2 cores")
+def test_programs_of_a_pinned_caller_run_on_the_cores_it_names():
+    """The RL trainer pins itself to core 0; the programs it scores must not be pinned there with it."""
+    code = "import os; print(sorted(os.sched_getaffinity(0)))"
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {0})
+    try:
+        assert run_python(code, "", Limits()).stdout.strip() == "[0]"  # inherited by default
+        runner.run_on_cores(before)
+        assert run_python(code, "", Limits()).stdout.strip() == str(sorted(before))
+    finally:
+        runner.run_on_cores(None)
+        os.sched_setaffinity(0, before)

@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 from recipe.runs import MetricsLog, Stage, require_done, stage_main
+from recipe.sandbox.runner import run_on_cores
 
 
 def make_engine(cfg, model_path, version: int, log_dir):
@@ -42,13 +43,16 @@ def run_rl(cfg, stage_dir, start_model):
     threads_before = torch.get_num_threads()
     torch.set_num_threads(rl.train_threads)
     cores_before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-    if rl.pin_cores and cores_before is not None and (os.cpu_count() or 1) > 1:
+    pin = rl.pin_cores and cores_before is not None and (os.cpu_count() or 1) > 1
+    if pin:
         os.sched_setaffinity(0, {0})  # the engine process takes core 1
+        run_on_cores(cores_before)  # sandboxed programs (code rewards, the python tool) go where there is room
     try:
         return _rl_loop(cfg, stage_dir, start_model)
     finally:  # give the cores back: a caller (the bench's eval) runs with all its threads afterwards
-        if cores_before is not None:
+        if pin:
             os.sched_setaffinity(0, cores_before)
+            run_on_cores(None)
         torch.set_num_threads(threads_before)
 
 

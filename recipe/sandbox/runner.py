@@ -178,6 +178,24 @@ def _prlimit(rl: dict) -> list[str]:
     return ["prlimit"] + [f"--{k}={soft}:{hard}" for k, (soft, hard) in rl.items()] + ["--"]
 
 
+_RUN_ON_CORES: set[int] | None = None  # set by run_on_cores()
+
+
+def run_on_cores(cores) -> None:
+    """Run programs on these cores, whatever the caller's own affinity. The RL trainer pins itself to one core
+    and scores rollouts on it: its programs would be pinned there too and slow its own training step."""
+    global _RUN_ON_CORES
+    _RUN_ON_CORES = set(cores) if cores else None
+
+
+def _cores_prefix() -> list[str]:
+    if _RUN_ON_CORES is None or not hasattr(os, "sched_getaffinity") or shutil.which("taskset") is None:
+        return []
+    if os.sched_getaffinity(0) == _RUN_ON_CORES:
+        return []
+    return ["taskset", "--cpu-list", ",".join(str(c) for c in sorted(_RUN_ON_CORES))]
+
+
 def _preexec(rl: dict):
     """Only without the prlimit tool: preexec_fn is not safe in threaded callers (the RL verifier's pool)."""
     import resource
@@ -311,7 +329,8 @@ def execute(payload: dict, stdin: str, limits: Limits, mode: str, use: str | Non
     ctl_r, ctl_w = os.pipe()
     src = _memfd("sandbox-payload", json.dumps(payload).encode())
     stdin_fd = _memfd("sandbox-stdin", stdin.encode()) if stdin else subprocess.DEVNULL
-    cmd = (_prlimit(rl) if has_prlimit else []) + prefix + [exe, "-s", "-B", "-c", INSIDE, mode, str(ctl_w), str(src)]
+    cmd = (_cores_prefix() + (_prlimit(rl) if has_prlimit else []) + prefix +
+           [exe, "-s", "-B", "-c", INSIDE, mode, str(ctl_w), str(src)])
     user = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
     try:
         proc = subprocess.Popen(cmd, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
