@@ -76,6 +76,9 @@ def test_report_twice_on_the_same_runs_writes_the_same_bytes(tmp_path):
     png = (tmp_path / "runs" / "results" / "tiny_curves.png").read_bytes()
     second = write_report(cfg).read_bytes()
     assert first == second and b"| sft |" in first and b"| rl |" in first
+    metrics = [json.loads(x) for x in (src / "tiny" / "rl" / "metrics.jsonl").read_text().splitlines()]
+    filtered = sum(r["filtered_groups"] for r in metrics)
+    assert f"RL (120 steps, mean ".encode() in first and f"{filtered} groups filtered out".encode() in first
     assert (tmp_path / "runs" / "results" / "tiny_curves.png").read_bytes() == png
 
 

@@ -166,6 +166,19 @@ def stage_table(cfg) -> str:
     return "".join(out)
 
 
+def rl_summary(cfg) -> str:
+    """What the RL run did beyond its reward: tool calls, masked samples, reward-function errors, filtering."""
+    rl = _read_metrics(stage_dir(cfg, "rl") / "metrics.jsonl")
+    if not rl:
+        return ""
+    total = lambda key: sum(r.get(key, 0) for r in rl)  # noqa: E731
+    step_s = sum(r["step_s"] for r in rl[1:]) / max(1, len(rl) - 1)  # step 1 includes the engine's first fill
+    return (f"\nRL ({len(rl)} steps, mean {step_s:.2f} s a step after the first): {total('tool_calls')} tool "
+            f"calls answered, {total('masked_samples')} samples masked (a sandbox or tool failure), "
+            f"{total('reward_errors')} reward-function errors, {total('filtered_groups')} groups filtered out "
+            f"(all rewards equal), {total('stale_groups')} dropped as stale.\n")
+
+
 def _read_metrics(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
@@ -223,7 +236,7 @@ def write_report(cfg) -> Path:
         hw = any_prov["hardware"]
         parts.append(f"\nHardware: {hw['cpus']} CPUs, {hw['machine']}; packages: " +
                      ", ".join(f"{k} {v}" for k, v in sorted(any_prov["packages"].items())) + "\n")
-    parts += ["\n### Stages\n\n", stage_table(cfg)]
+    parts += ["\n### Stages\n\n", stage_table(cfg), rl_summary(cfg)]
     png = root / "results" / f"{cfg.preset}_curves.png"
     if write_curves(cfg, png):
         parts.append(f"\n![learning curves]({png.relative_to(root)})\n")

@@ -102,6 +102,8 @@ class Orchestrator:
         self._stop = False
         self._error: BaseException | None = None
         self._need = 0  # groups the waiting next_batch still lacks
+        self.loop_busy_s = 0.0
+        self._loop_busy_at_last_batch = 0.0
 
     # -- prompts -------------------------------------------------------------------------------------------
     def _shuffled(self, env: str, epoch: int) -> list[int]:
@@ -251,7 +253,9 @@ class Orchestrator:
                 event = self.engine.poll(timeout=0.05)
                 if event is not None:
                     with self._cv:
-                        self._on_event(event)
+                        t0 = time.perf_counter()
+                        self._on_event(event)  # scoring and tool turns: wall time spent beside the trainer
+                        self.loop_busy_s += time.perf_counter() - t0
                         self._cv.notify_all()
         except BaseException as e:  # handed to the trainer's thread, which raises it
             with self._cv:
@@ -322,6 +326,7 @@ class Orchestrator:
         stats = {
             "wait_s": time.perf_counter() - t0,
             "gen_busy_s": self.gen_busy_s - self._busy_at_last_batch,
+            "orchestrator_busy_s": self.loop_busy_s - self._loop_busy_at_last_batch,
             "reward": sum(all_rewards) / len(all_rewards),
             "pass_rate": sum(r >= 1 for r in all_rewards) / len(all_rewards),
             "filtered_groups": delta["filtered_all_correct"] + delta["filtered_all_wrong"],
@@ -340,5 +345,6 @@ class Orchestrator:
         }
         self._counters_at_last_batch = Counter(self.counters)
         self._busy_at_last_batch = self.gen_busy_s
+        self._loop_busy_at_last_batch = self.loop_busy_s
         self._last_filtered = []
         return stats
