@@ -95,3 +95,23 @@ def test_code_verdicts_are_reused_for_a_repeated_program(monkeypatch):
     for _ in range(2):  # a sandbox failure is never remembered: the next sample tries again
         assert env.score("<think></think>```python\n# broken\n```", row).masked
     assert len(calls) == 3
+
+
+def test_score_in_threads_keeps_order_and_runs_only_the_picked_items_in_parallel():
+    import threading
+    import time
+
+    from recipe.envs.base import score_in_threads
+
+    main, seen = threading.get_ident(), {}
+
+    def slow_square(x):
+        seen[x] = threading.get_ident()
+        time.sleep(0.1 if x % 2 else 0)
+        return x * x
+
+    t0 = time.perf_counter()
+    out = score_in_threads(slow_square, list(range(8)), parallel=lambda x: x % 2 == 1)
+    assert out == [x * x for x in range(8)]
+    assert all(seen[x] == main for x in range(0, 8, 2)) and all(seen[x] != main for x in range(1, 8, 2))
+    assert time.perf_counter() - t0 < 0.35  # four 0.1 s items at once, not one after another

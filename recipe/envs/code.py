@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import threading
 
 from recipe.envs.base import Environment, MaskSample
 
@@ -62,6 +63,7 @@ def program(code: str, tests: list[dict], prelude: bool) -> str:
 # Verdicts by program and tests: the samples of a group often repeat a program, and each sandbox run costs a
 # process start. A program's verdict is deterministic up to its limits, which do not change within a run.
 _VERDICTS: dict[str, object] = {}
+_VERDICTS_LOCK = threading.Lock()  # samples are scored from several threads at once
 
 
 def code_passed(answer: str, row: dict) -> float:
@@ -78,14 +80,16 @@ def code_passed(answer: str, row: dict) -> float:
     info = json.loads(row.get("info") or "{}")
     source = program(code, tests, bool(info.get("prelude")))
     key = hashlib.sha256(json.dumps([source, tests], sort_keys=True).encode()).hexdigest()
-    report = _VERDICTS.get(key)
+    with _VERDICTS_LOCK:
+        report = _VERDICTS.get(key)
     if report is None:
         report = run_tests(source, tests)
         if report.sandbox_error:
             raise MaskSample(f"sandbox error: {report.sandbox_error}")
-        _VERDICTS[key] = report
-        while len(_VERDICTS) > 4096:  # oldest first
-            _VERDICTS.pop(next(iter(_VERDICTS)))
+        with _VERDICTS_LOCK:
+            _VERDICTS[key] = report
+            while len(_VERDICTS) > 4096:  # oldest first
+                _VERDICTS.pop(next(iter(_VERDICTS)))
     if info.get("all_tests_must_pass"):
         return float(report.total > 0 and report.passed == report.total)
     return report.passed / report.total if report.total else 0.0
@@ -94,4 +98,5 @@ def code_passed(answer: str, row: dict) -> float:
 class CodeEnv(Environment):
     name = "code"
     reward_timeout_s = 600.0  # the sandbox bounds every test (wall_s each); this only guards the harness
+    score_in_parallel = True
     rubric = [("passed", code_passed, 1.0)]

@@ -12,7 +12,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from recipe.envs import get_env
-from recipe.envs.base import parse_final_answer
+from recipe.envs.base import parse_final_answer, score_in_threads
 from recipe.envs.tools import Transcript, next_reply, score_sample
 from recipe.eval.metrics import breakdown
 from recipe.inference import SamplingParams
@@ -96,13 +96,14 @@ def evaluate(engine, tokenizer, rows: list[dict], eval_cfg, out_dir: Path, desc:
         completions = engine.generate(prompts, params)
         if any(getattr(get_env(r["env"]), "multi_turn", False) for r in chunk):
             completions = tool_turns(engine, tokenizer, chunk, k, prompts, completions, params)
+        texts = [completion_text(tokenizer, c.token_ids) for c in completions]
+        envs = [get_env(chunk[j // k]["env"]) for j in range(len(completions))]
+        scores = score_in_threads(lambda j: score_sample(envs[j], texts[j], chunk[j // k], completions[j]),
+                                  list(range(len(completions))), lambda j: envs[j].score_in_parallel)
         lines = []
         for i, row in enumerate(chunk):
-            env = get_env(row["env"])
             for s in range(k):
-                c = completions[i * k + s]
-                text = completion_text(tokenizer, c.token_ids)
-                res = score_sample(env, text, row, c)
+                c, text, res = completions[i * k + s], texts[i * k + s], scores[i * k + s]
                 lines.append({"id": row["id"], "env": row["env"], "task": row["task"], "sample": s,
                               "completion": text, "score": res.reward, "tokens": len(c.token_ids),
                               "masked": res.masked,

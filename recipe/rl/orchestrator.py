@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from recipe.config import ConfigError
 from recipe.envs import get_env
+from recipe.envs.base import score_in_threads
 from recipe.envs.tools import Transcript, next_reply, score_sample
 from recipe.inference import Completion, SamplingParams
 from recipe.inference.worker import Request
@@ -210,10 +211,12 @@ class Orchestrator:
 
     def _score(self, group: Group) -> None:
         env = self.envs[group.row["env"]]
-        for s in range(self.cfg.rollouts_per_example):
-            c: Completion = group.completions[s]
-            text = completion_text(self.tokenizer, c.token_ids)
-            res = score_sample(env, text, group.row, c)
+
+        def score_one(c: Completion):
+            return score_sample(env, completion_text(self.tokenizer, c.token_ids), group.row, c)
+
+        completions = [group.completions[s] for s in range(self.cfg.rollouts_per_example)]
+        for res in score_in_threads(score_one, completions, lambda c: env.score_in_parallel):
             if res.errors:
                 self.counters["reward_errors"] += len(res.errors)
             if res.masked:  # not a wrong answer: the sample leaves the loss and the group mean
