@@ -9,7 +9,8 @@ and ends where generation stops at <|observation|> (a stop token). The environme
 as environment tokens (loss_mask 0 in RL) and the model goes on, for at most max_turns model turns. A turn that
 does not end at <|observation|> is final. A bad call (invalid JSON, unknown tool, bad expression) gets an error
 in the tool response, never an exception. A tool that itself fails (the python tool's sandbox is down) ends the
-sample as masked: neither right nor wrong, like a broken verifier. The answer is read from the last model turn, after its </think>.
+sample as masked: neither right nor wrong, like a broken verifier. The answer is read from the last model turn,
+after its </think>.
 
 Rollout helpers shared by eval and RL: Transcript accumulates a sample's turns, next_reply decides on the next one.
 """

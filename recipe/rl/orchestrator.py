@@ -124,11 +124,8 @@ class Orchestrator:
 
     def state_dict(self) -> dict:
         with self._cv:
-            return self._state_dict()
-
-    def _state_dict(self) -> dict:
-        return {"cursor": self.cursor, "epoch": self.epoch, "rng": self.rng.getstate(), "next_gid": self.next_gid,
-                "counters": dict(self.counters), "filter_rate": self.filter_rate}
+            return {"cursor": self.cursor, "epoch": self.epoch, "rng": self.rng.getstate(),
+                    "next_gid": self.next_gid, "counters": dict(self.counters), "filter_rate": self.filter_rate}
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor, self.epoch = dict(state["cursor"]), dict(state["epoch"])
@@ -177,6 +174,11 @@ class Orchestrator:
         want = need + self.cfg.batch_size * self.cfg.max_async_level
         while len(self.ready) + keep * len(self.inflight) < want:
             self._submit_new_group()
+
+    def _handle(self, event) -> None:
+        t0 = time.perf_counter()
+        self._on_event(event)  # scoring and tool turns: in the background loop, time spent beside the trainer
+        self.loop_busy_s += time.perf_counter() - t0
 
     def _on_event(self, event) -> None:
         kind = event[0]
@@ -256,9 +258,7 @@ class Orchestrator:
                 event = self.engine.poll(timeout=0.05)
                 if event is not None:
                     with self._cv:
-                        t0 = time.perf_counter()
-                        self._on_event(event)  # scoring and tool turns: wall time spent beside the trainer
-                        self.loop_busy_s += time.perf_counter() - t0
+                        self._handle(event)
                         self._cv.notify_all()
         except BaseException as e:  # handed to the trainer's thread, which raises it
             with self._cv:
@@ -272,7 +272,7 @@ class Orchestrator:
             event = self.engine.poll(timeout=600)
             if event is None:
                 raise RuntimeError("rl: the engine produced nothing for 600 s")
-            self._on_event(event)
+            self._handle(event)
             return
         deadline = time.monotonic() + 600
         while not self.ready and self._error is None:
