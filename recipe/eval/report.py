@@ -54,11 +54,16 @@ def tiny_table(cfg, results: dict[str, dict]) -> str:
     return head + sep + "".join(lines)
 
 
+def _bench_json(cfg, name: str) -> dict | None:
+    """runs/<preset>/bench/<name>.json as a bench command wrote it, or None before it ran."""
+    path = stage_dir(cfg, "bench") / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def bench_section(cfg) -> str:
-    path = stage_dir(cfg, "bench") / "rl.json"
-    if not path.exists():
+    bench = _bench_json(cfg, "rl")
+    if bench is None:
         return "_No RL benchmark yet: run `make bench-rl`._\n"
-    bench = json.loads(path.read_text())
     rows = bench["results"]
     prov = bench["provenance"]
     out = [f"Reproduce: `{bench['command']}`. Same SFT start, seeds, steps and samples for every level; the hf "
@@ -83,10 +88,9 @@ def _se(record: dict, key: str) -> str:
 
 
 def sandbox_section(cfg) -> str:
-    path = stage_dir(cfg, "bench") / "sandbox.json"
-    if not path.exists():
+    b = _bench_json(cfg, "sandbox")
+    if b is None:
         return "_No sandbox benchmark yet: run `make bench-sandbox`._\n"
-    b = json.loads(path.read_text())
     prov = b["provenance"]
     return (f"Reproduce: `{b['command']}`. {b['programs']} small correct stdin programs, each in a sandbox of its "
             f"own (backend `{b['backend']}`), {b['workers']} at a time: {b['seconds']:.2f} s, "
@@ -166,9 +170,8 @@ def stage_table(cfg) -> str:
     return "".join(out)
 
 
-def rl_summary(cfg) -> str:
+def rl_summary(rl: list[dict]) -> str:
     """What the RL run did beyond its reward: tool calls, masked samples, reward-function errors, filtering."""
-    rl = _read_metrics(stage_dir(cfg, "rl") / "metrics.jsonl")
     if not rl:
         return ""
     total = lambda key: sum(r.get(key, 0) for r in rl)  # noqa: E731
@@ -183,7 +186,7 @@ def _read_metrics(path: Path) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
-def write_curves(cfg, png: Path) -> bool:
+def write_curves(cfg, png: Path, rl: list[dict]) -> bool:
     """Learning curves (SFT loss, RL reward, masked share, staleness) as one PNG; False when nothing to plot."""
     import matplotlib
 
@@ -192,7 +195,6 @@ def write_curves(cfg, png: Path) -> bool:
 
     base = [r for r in _read_metrics(stage_dir(cfg, "base") / "metrics.jsonl") if "loss" in r]
     sft = [r for r in _read_metrics(stage_dir(cfg, "sft") / "metrics.jsonl") if "loss" in r]
-    rl = _read_metrics(stage_dir(cfg, "rl") / "metrics.jsonl")
     if not (base or sft or rl):
         return False
     fig, ax = plt.subplots(1, 4, figsize=(16, 3.4))
@@ -236,9 +238,10 @@ def write_report(cfg) -> Path:
         hw = any_prov["hardware"]
         parts.append(f"\nHardware: {hw['cpus']} CPUs, {hw['machine']}; packages: " +
                      ", ".join(f"{k} {v}" for k, v in sorted(any_prov["packages"].items())) + "\n")
-    parts += ["\n### Stages\n\n", stage_table(cfg), rl_summary(cfg)]
+    rl = _read_metrics(stage_dir(cfg, "rl") / "metrics.jsonl")
+    parts += ["\n### Stages\n\n", stage_table(cfg), rl_summary(rl)]
     png = root / "results" / f"{cfg.preset}_curves.png"
-    if write_curves(cfg, png):
+    if write_curves(cfg, png, rl):
         parts.append(f"\n![learning curves]({png.relative_to(root)})\n")
     parts += ["\n## Paper benchmarks\n\n", paper_section(cfg)]
     parts += ["\n## Performance: asynchronous against synchronous RL\n\n", bench_section(cfg)]

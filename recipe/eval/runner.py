@@ -97,9 +97,9 @@ def evaluate(engine, tokenizer, rows: list[dict], eval_cfg, out_dir: Path, desc:
         if any(getattr(get_env(r["env"]), "multi_turn", False) for r in chunk):
             completions = tool_turns(engine, tokenizer, chunk, k, prompts, completions, params)
         texts = [completion_text(tokenizer, c.token_ids) for c in completions]
-        envs = [get_env(chunk[j // k]["env"]) for j in range(len(completions))]
-        scores = score_in_threads(lambda j: score_sample(envs[j], texts[j], chunk[j // k], completions[j]),
-                                  list(range(len(completions))), lambda j: envs[j].score_in_parallel)
+        envs = [get_env(r["env"]) for r in chunk]
+        scores = score_in_threads(lambda j: score_sample(envs[j // k], texts[j], chunk[j // k], completions[j]),
+                                  list(range(len(completions))), lambda j: envs[j // k].score_in_parallel)
         lines = []
         for i, row in enumerate(chunk):
             for s in range(k):
