@@ -1,13 +1,16 @@
 """Typed config schema and composition.
 
-The hydra tree under configs/ is merged into these dataclasses, so an unknown key or a value of the wrong type
-stops with an error that names it, before any stage does work.
+The hydra tree under configs/ is merged into these dataclasses, so an unknown key, a value of the wrong type or
+a choice outside its Enum stops with an error that names it, before any stage does work. Checks that span
+several keys live in validate(), the one place for them. The paper's benchmarks are checked against their
+registry by recipe.eval.benchmarks.validate_benchmarks, which the eval and plan stages call.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -15,7 +18,31 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
+from recipe.errors import ConfigError
+
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+# Closed sets of values. StrEnum members compare equal to their strings and serialise as them, so configs,
+# hashes and YAML read as before.
+class DataSource(StrEnum):
+    tiny = "tiny"
+    intellect3 = "intellect3"
+
+
+class EngineKind(StrEnum):
+    hf = "hf"
+    vllm = "vllm"
+
+
+class OptimizerKind(StrEnum):
+    adamw = "adamw"
+    muon = "muon"
+
+
+class LauncherKind(StrEnum):
+    local = "local"
+    slurm = "slurm"
 
 
 @dataclass
@@ -75,7 +102,7 @@ class HubDataset:
 
 @dataclass
 class DataConfig:
-    source: str = "tiny"  # tiny | intellect3
+    source: DataSource = DataSource.tiny
     seed: int = 0
     # tiny: rows per task per split
     sft_rows_per_task: int = 2000
@@ -131,7 +158,7 @@ class RLConfig:
     rollouts_per_example: int = 8
     max_new_tokens: int = 96
     temperature: float = 1.0
-    optimizer: str = "adamw"  # adamw | muon
+    optimizer: OptimizerKind = OptimizerKind.adamw
     lr: float = 2e-4
     warmup_steps: int = 0  # linear warmup, then constant (INTELLECT-3 ran a constant LR)
     weight_decay: float = 0.01
@@ -145,7 +172,7 @@ class RLConfig:
     keep_checkpoints: int = 2
     # environment -> weight; empty here so that a preset's mix replaces, not extends, a default one
     env_mix: Dict[str, float] = field(default_factory=dict)
-    engine: str = "hf"  # hf | vllm
+    engine: EngineKind = EngineKind.hf
     gen_batch_size: int = 64  # requests the hf engine generates together
     gen_threads: int = 1
     train_threads: int = 1
@@ -181,7 +208,7 @@ class BenchmarkConfig:
 
 @dataclass
 class EvalConfig:
-    engine: str = "hf"  # hf | vllm
+    engine: EngineKind = EngineKind.hf
     checkpoints: List[str] = field(default_factory=lambda: ["base", "sft", "rl"])
     samples: int = 4  # k of avg@k
     pass_k: List[int] = field(default_factory=lambda: [1, 4])
@@ -201,7 +228,7 @@ class EvalConfig:
 
 @dataclass
 class LauncherConfig:
-    kind: str = "local"  # local | slurm
+    kind: LauncherKind = LauncherKind.local
     nodes: int = 1
     trainer_nodes: int = 1
     inference_nodes: int = 0
@@ -234,73 +261,17 @@ class Config:
 ConfigStore.instance().store(name="schema", node=Config)
 
 
-class ConfigError(ValueError):
-    pass
-
-
-# string fields with a closed set of values, checked when the config is composed
-CHOICES = {
-    "data.source": ("tiny", "intellect3"),
-    "rl.engine": ("hf", "vllm"),
-    "rl.optimizer": ("adamw", "muon"),
-    "eval.engine": ("hf", "vllm"),
-    "launcher.kind": ("local", "slurm"),
-}
-
-
 def validate(cfg) -> None:
-    for key, allowed in CHOICES.items():
-        value = OmegaConf.select(cfg, key)
-        if value not in allowed:
-            raise ConfigError(f"config error: {key}={value!r} is not one of {', '.join(allowed)}")
+    """Checks across keys (single values are typed by the schema)."""
     for key in ("rl.mask_ratio_low", "rl.temperature", "eval.samples", "rl.rollouts_per_example", "rl.batch_size"):
         if OmegaConf.select(cfg, key) <= 0:
             raise ConfigError(f"config error: {key} must be positive, got {OmegaConf.select(cfg, key)}")
     if any(w < 0 for w in cfg.rl.env_mix.values()) or sum(cfg.rl.env_mix.values()) <= 0:
         raise ConfigError(f"config error: rl.env_mix needs non-negative weights with a positive sum, "
                           f"got {dict(cfg.rl.env_mix)}")
-    validate_benchmarks(cfg.eval)
-
-
-def validate_benchmarks(ev) -> None:
-    from datetime import date
-
-    from recipe.eval.benchmarks import REGISTRY  # stdlib-only module: cheap, and no import cycle
-
-    seen = set()
-    for i, b in enumerate(ev.benchmarks):
-        key = f"eval.benchmarks[{i}]"
-        if b.name not in REGISTRY:
-            raise ConfigError(f"config error: {key}.name={b.name!r} is not a known benchmark "
-                              f"(known: {', '.join(REGISTRY)})")
-        if b.name in seen:
-            raise ConfigError(f"config error: {key}.name={b.name!r} is listed twice")
-        seen.add(b.name)
-        spec = REGISTRY[b.name]
-        samples = b.samples if b.samples is not None else spec.samples
-        for field_name in ("samples", "max_new_tokens", "max_problems"):
-            value = getattr(b, field_name)
-            if value is not None and value <= 0:
-                raise ConfigError(f"config error: {key}.{field_name} must be positive, got {value}")
-        if b.pass_k is not None and (not b.pass_k or min(b.pass_k) < 1 or max(b.pass_k) > samples):
-            raise ConfigError(f"config error: {key}.pass_k={list(b.pass_k)} must lie in 1..samples ({samples})")
-        if b.temperature is not None and b.temperature < 0:
-            raise ConfigError(f"config error: {key}.temperature must be >= 0, got {b.temperature}")
-        if b.top_p is not None and not 0 < b.top_p <= 1:
-            raise ConfigError(f"config error: {key}.top_p must be in (0, 1], got {b.top_p}")
-        for field_name in ("contest_date_from", "contest_date_to"):
-            value = getattr(b, field_name)
-            if value is None:
-                continue
-            if spec.contest_dates is None:
-                raise ConfigError(f"config error: {key}.{field_name}: {b.name} rows carry no contest date")
-            try:
-                date.fromisoformat(value)
-            except ValueError:
-                raise ConfigError(f"config error: {key}.{field_name}={value!r} is not a YYYY-MM-DD date") from None
-    if ev.benchmark_max_problems is not None and ev.benchmark_max_problems <= 0:
+    if cfg.eval.benchmark_max_problems is not None and cfg.eval.benchmark_max_problems <= 0:
         raise ConfigError(f"config error: eval.benchmark_max_problems must be positive, "
-                          f"got {ev.benchmark_max_problems}")
+                          f"got {cfg.eval.benchmark_max_problems}")
 
 
 def load_config(overrides: List[str] | None = None):

@@ -14,14 +14,16 @@ import shlex
 import sys
 from pathlib import Path
 
-from recipe.config import ConfigError
+from recipe.config import OptimizerKind
+from recipe.errors import ConfigError
+from recipe.eval.benchmarks import validate_benchmarks
 from recipe.inference.vllm import server_command, server_env
 from recipe.runs import stage_dir, stage_main, write_atomic
 
 GIB = 2 ** 30
 # bytes a parameter costs on the trainer; FSDP2 full sharding spreads all of them over every trainer GPU
 TRAINER_BYTES = {"weights bf16": 2, "grads bf16": 2, "fp32 master copy": 4}
-OPTIMIZER_BYTES = {"muon": 4, "adamw": 8}  # muon: one fp32 momentum; adamw: two fp32 moments
+OPTIMIZER_BYTES = {OptimizerKind.muon: 4, OptimizerKind.adamw: 8}  # muon: one fp32 momentum; adamw: two
 SERVER_HOST = "0.0.0.0"  # the trainer reaches the servers from other nodes
 SERVER_PYTHON = "python"  # the job's environment (sbatch passes on the submitting shell's), not this machine's
 
@@ -30,8 +32,6 @@ SERVER_PYTHON = "python"  # the job's environment (sbatch passes on the submitti
 def placement(cfg) -> dict:
     """Node and GPU counts of the RL stage; a launcher that does not add up is a ConfigError naming fields."""
     la = cfg.launcher
-    if la.kind not in ("local", "slurm"):
-        raise ConfigError(f"launcher.kind must be 'local' or 'slurm', got '{la.kind}'")
     judge_extra = 0 if la.judge_in_inference else la.judge_nodes
     policy = la.inference_nodes - (la.judge_nodes if la.judge_in_inference else 0)
     used = la.trainer_nodes + la.inference_nodes + judge_extra
@@ -84,9 +84,7 @@ def memory_estimate(cfg, plan: dict) -> dict | None:
     if total_b is None:
         return None
     params = total_b * 1e9
-    opt = OPTIMIZER_BYTES.get(cfg.rl.optimizer)
-    if opt is None:
-        raise ConfigError(f"rl.optimizer must be one of {sorted(OPTIMIZER_BYTES)}, got '{cfg.rl.optimizer}'")
+    opt = OPTIMIZER_BYTES[cfg.rl.optimizer]  # every OptimizerKind has its bytes
     per_param = sum(TRAINER_BYTES.values()) + opt
     shards = max(plan["trainer_gpus"], 1)  # CPU (gpus_per_node 0): one process holds everything
     tp = cfg.launcher.inference_tp if plan["kind"] == "slurm" else 1
@@ -232,6 +230,7 @@ def describe(cfg, plan: dict, mem: dict | None, tput: dict) -> list[str]:
 
 
 def launch(cfg, overrides: list[str]) -> Path | None:
+    validate_benchmarks(cfg.eval)
     plan = placement(cfg)
     lines = describe(cfg, plan, memory_estimate(cfg, plan), throughput(cfg, plan))
     script = None

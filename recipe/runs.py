@@ -17,9 +17,12 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from typing import Callable
+
 from omegaconf import OmegaConf
 
-from recipe.config import config_hash
+from recipe.config import config_hash, load_config
+from recipe.errors import RecipeError, StageError
 
 # Sections of the config that decide each stage's output (a change elsewhere does not invalidate it).
 STAGE_KEYS = {
@@ -32,10 +35,6 @@ STAGE_KEYS = {
 PACKAGES = ["torch", "transformers", "trl", "accelerate", "datasets", "hydra-core", "math-verify",
             "reasoning-gym", "tokenizers", "vllm", "flash-attn"]
 HASH_LIMIT = 2 << 30  # files larger than this are recorded by size only (hashing 200 GB of weights is no use)
-
-
-class StageError(RuntimeError):
-    pass
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:
@@ -140,6 +139,17 @@ class Stage:
         write_atomic(self.dir / "config.yaml", OmegaConf.to_yaml(self.cfg, resolve=True))
         self.started = time.time()
 
+    def run(self, body: Callable[["Stage", dict], dict], requires: tuple[str, ...] = (), fresh: bool = False):
+        """The life of every stage: skip it when done with this config; require its upstream stages (their
+        folders are handed to body by name); begin; body(stage, upstream) returns finish()'s keyword
+        arguments (inputs, outputs, extra); finish. Returns the manifest, or None when skipped."""
+        if self.is_done():
+            print(f"{self.name}: already done ({self.dir}); nothing to do")
+            return None
+        upstream = {name: require_done(self.cfg, name) for name in requires}
+        self.begin(fresh=fresh)
+        return self.finish(**body(self, upstream))
+
     def finish(self, inputs: dict, outputs: dict, extra: dict | None = None) -> dict:
         """Write the provenance manifest, then DONE.json: the last write of the stage."""
         manifest = provenance(self.cfg, self.name, self.hash, self.started, inputs, outputs, extra)
@@ -202,15 +212,14 @@ class MetricsLog:
 
 
 def stage_main(fn):
-    """Entry-point wrapper: config and stage errors become one clear line on stderr and exit code 2."""
-    from recipe.config import ConfigError, load_config
+    """Entry-point wrapper: the recipe's errors become one clear line on stderr and exit code 2."""
 
     def main(argv=None):
         argv = sys.argv[1:] if argv is None else argv
         try:
             cfg = load_config(argv)
             return fn(cfg)
-        except (ConfigError, StageError, FileNotFoundError) as e:
+        except (RecipeError, FileNotFoundError) as e:
             if os.environ.get("RECIPE_DEBUG"):
                 raise
             print(f"error: {e}", file=sys.stderr)

@@ -1,7 +1,8 @@
 """Test doubles: a character tokenizer and a scripted engine that answers at once."""
 import time
 
-from recipe.inference import Completion
+from recipe.inference.engine import Done
+from recipe.rollout import Completion
 
 
 class CharTokenizer:
@@ -18,7 +19,8 @@ class CharTokenizer:
 
 
 class ScriptedEngine:
-    """Answers every request with answer_fn(prompt_text, sample_index), tagged with the current version."""
+    """Answers every request with answer_fn(prompt_text, sample_index), tagged with the current version
+    (the Engine contract of recipe.inference.engine)."""
 
     def __init__(self, answer_fn, batch: int = 1000):
         self.answer_fn = answer_fn
@@ -48,7 +50,7 @@ class ScriptedEngine:
             text = self.answer_fn("".join(chr(i) for i in r.prompt_ids), r.id)
             ids = [ord(c) for c in text]
             out.append((r.id, Completion(ids, [-1.0] * len(ids), "stop", self.policy_version)))
-        return ("done", out, 0.01)
+        return Done(out, 0.01)
 
     def close(self):
         pass

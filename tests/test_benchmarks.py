@@ -24,7 +24,7 @@ from recipe.envs.code import extract_code, row_tests
 from recipe.envs.science import extract_letter
 from recipe.eval import benchmarks as B
 from recipe.inference import Completion
-from recipe.model import encode_prompt
+from recipe.chat import encode_prompt
 from tests.fakes import CharTokenizer
 
 NAMES = list(B.REGISTRY)
@@ -117,7 +117,7 @@ def completions(row: dict) -> tuple[str, str]:
 
 
 def test_registry_pins_every_dataset_and_follows_the_papers_protocol():
-    from recipe.eval.report import PAPER_COLUMNS
+    from recipe.eval.benchmarks import PAPER_ORDER as PAPER_COLUMNS
 
     assert set(NAMES) == set(PAPER_K) == set(B.PAPER_ORDER) and PAPER_COLUMNS == B.PAPER_ORDER
     for name, spec in B.REGISTRY.items():

@@ -100,7 +100,7 @@ def test_fn_fit_code_task_rows_are_scored_by_the_sandbox(tmp_path):
     from recipe.config import load_config
     from recipe.data.tiny import build_tiny
     from recipe.envs import get_env
-    from recipe.envs.base import parse_final_answer
+    from recipe.chat import parse_final_answer
 
     cfg = load_config([f"run_root={tmp_path}", "data.sft_rows_per_task=10", "data.rl_rows_per_task=10",
                        "data.eval_rows_per_task=10", "data.no_think_fraction=0",

@@ -1,6 +1,7 @@
 import json
 
-from recipe.envs import get_env, parse_final_answer
+from recipe.chat import parse_final_answer
+from recipe.envs import get_env
 from recipe.envs.base import Environment
 
 
@@ -101,7 +102,7 @@ def test_score_in_threads_keeps_order_and_runs_only_the_picked_items_in_parallel
     import threading
     import time
 
-    from recipe.envs.base import score_in_threads
+    from recipe.rollout import score_in_threads
 
     main, seen = threading.get_ident(), {}
 

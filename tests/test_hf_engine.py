@@ -5,7 +5,8 @@ import torch
 from recipe.config import TinyArch
 from recipe.inference import SamplingParams
 from recipe.inference.hf import HFEngine, _top_p
-from recipe.model import build_tiny_model, build_tokenizer, stop_token_ids
+from recipe.chat import stop_token_ids
+from recipe.model import build_tiny_model, build_tokenizer
 
 
 @pytest.fixture(scope="module")

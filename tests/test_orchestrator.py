@@ -3,6 +3,7 @@ import json
 import pytest
 
 from recipe.config import RLConfig
+from recipe.inference.engine import Cancelled
 from recipe.rl.orchestrator import Orchestrator, offline_filter
 from tests.fakes import CharTokenizer, ScriptedEngine
 
@@ -67,7 +68,7 @@ def test_cancelled_requests_are_rescheduled():
     orch._top_up(1)
     first = list(eng.pending)
     eng.pending = []
-    eng.events.append(("cancelled", [r.id for r in first]))
+    eng.events.append(Cancelled([r.id for r in first]))
     samples, stats = orch.next_batch(0)
     assert stats["cancelled_requests"] == 4 and len(samples) == 8
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from recipe.envs.tools import ASSISTANT, OBSERVATION
+from recipe.chat import ASSISTANT, OBSERVATION
 
 
 def _calls_tool(row) -> bool:
@@ -37,9 +37,10 @@ def tiny(tmp_path_factory):
 def test_tool_reply_is_out_of_the_loss_and_ids_are_those_rl_sees(tiny):
     """Replay the demonstration through RL's own bookkeeping (Transcript, next_reply): the SFT row must have the
     same ids and the same loss mask, the prompt masked too."""
-    from recipe.envs.tools import ToolsEnv, Transcript, next_reply
+    from recipe.envs.tools import ToolsEnv
+    from recipe.rollout import Transcript, next_reply
     from recipe.inference import Completion
-    from recipe.model import encode_prompt
+    from recipe.chat import encode_prompt
     from recipe.sft import tokenize_chat_row
 
     _, tok, rows = tiny
@@ -71,7 +72,7 @@ def test_tool_reply_is_out_of_the_loss_and_ids_are_those_rl_sees(tiny):
 
 def test_every_reply_of_a_two_call_demonstration_is_out_of_the_loss(tiny):
     from recipe.envs.tools import ToolsEnv
-    from recipe.model import encode_prompt
+    from recipe.chat import encode_prompt
     from recipe.sft import tokenize_chat_row
 
     _, tok, rows = tiny

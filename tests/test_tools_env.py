@@ -5,8 +5,10 @@ import json
 import pytest
 
 from recipe.config import EvalConfig, RLConfig
+from recipe.inference.engine import Cancelled
 from recipe.envs import get_env
-from recipe.envs.tools import calculate, parse_tool_call, run_tool_call
+from recipe.chat import parse_tool_call
+from recipe.envs.tools import calculate, run_tool_call
 from recipe.eval.runner import evaluate
 from recipe.inference import Completion
 from recipe.rl.orchestrator import Orchestrator
@@ -179,7 +181,7 @@ def test_a_cancelled_later_turn_resubmits_its_continuation():
     conts = list(eng.pending)
     assert len(conts) == 2 and all("<tool_response>" in "".join(map(chr, r.prompt_ids)) for r in conts)
     eng.pending = []
-    orch._on_event(("cancelled", [r.id for r in conts]))
+    orch._on_event(Cancelled([r.id for r in conts]))
     assert [r.prompt_ids for r in eng.pending] == [r.prompt_ids for r in conts]
     while eng.pending:
         orch._on_event(eng.poll())
@@ -202,7 +204,7 @@ def test_orchestrator_enforces_max_turns():
     max_turns = get_env("tools").max_turns
     for c in g.completions.values():
         assert "".join(map(chr, c.token_ids)).count("<tool_response>") == max_turns - 1
-        assert c.extra["turns"] == max_turns
+        assert c.turns == max_turns
 
 
 def test_environment_tokens_do_not_change_the_trainer_loss():
@@ -260,7 +262,7 @@ def test_tool_mul_sft_rows_render_and_call_the_calculator():
     # renders through a chat template with the GLM-4.5 tokens kept as written
     from jinja2 import Template
 
-    from recipe.model import CHAT_TEMPLATE
+    from recipe.chat import CHAT_TEMPLATE
     rendered = Template(CHAT_TEMPLATE).render(messages=called[0]["prompt"] + called[0]["completion"],
                                               add_generation_prompt=False)
     assert "<tool_call>" in rendered and rendered.endswith("<|endoftext|>")

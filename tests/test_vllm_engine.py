@@ -18,7 +18,7 @@ from recipe.inference import SamplingParams
 from recipe.inference.vllm import (EXTENSION_CLS, RELOAD_METHOD, VLLMEngine, WeightLoaderExtension,
                                    checkpoint_format, completion_body, parse_completion, read_stop_ids,
                                    server_command, server_env)
-from recipe.inference.worker import Request
+from recipe.inference.engine import Request
 
 # A /v1/completions response as vLLM writes it for a token-id prompt with logprobs=0,
 # return_tokens_as_token_ids=true and skip_special_tokens=false; the sequence ended on <|endoftext|> (id 0).
@@ -391,7 +391,8 @@ def test_server_errors_surface_in_poll_and_generate(fake, tmp_path):
 
 
 def test_default_stop_ids_are_hf_engines(fake, tmp_path):
-    from recipe.model import build_tokenizer, stop_token_ids
+    from recipe.chat import stop_token_ids
+    from recipe.model import build_tokenizer
 
     tok = build_tokenizer(["12+34=46", "sort 3 1 2"], vocab_size=64)
     tok.save_pretrained(str(tmp_path))

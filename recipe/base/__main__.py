@@ -6,27 +6,16 @@ Presets with a hub model have nothing to do here: their base model is the hub id
 from __future__ import annotations
 
 import pyarrow.parquet as pq
+from datasets import Dataset
 
-from recipe.runs import Stage, require_done, stage_main
+from recipe.data.schema import read_split
+from recipe.model import build_tiny_model, build_tokenizer
+from recipe.runs import Stage, stage_main
+from recipe.sft import train_supervised
 
 
-@stage_main
-def main(cfg):
-    if cfg.model.hub_id:
-        print(f"base: the base model is {cfg.model.hub_id}@{cfg.model.revision}; nothing to pretrain")
-        return
-    from datasets import Dataset
-
-    from recipe.data.schema import read_split
-    from recipe.model import build_tiny_model, build_tokenizer
-    from recipe.sft import train_supervised
-
-    stage = Stage(cfg, "base")
-    if stage.is_done():
-        print(f"base: already done ({stage.dir}); nothing to do")
-        return
-    data_dir = require_done(cfg, "data")
-    stage.begin()
+def base_stage(stage: Stage, upstream: dict) -> dict:
+    cfg, data_dir = stage.cfg, upstream["data"]
     pretrain = pq.read_table(data_dir / "pretrain.parquet").column("text").to_pylist()
     sft_rows = read_split(data_dir, "sft")
     # the tokenizer sees the chat-formatted SFT text too, so the format's strings get their own merges
@@ -36,7 +25,15 @@ def main(cfg):
     print(f"base: Glm4MoeForCausalLM with {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     out = train_supervised(model, tokenizer, Dataset.from_dict({"text": pretrain}), cfg.base, stage.dir,
                            use_cpu=True)
-    stage.finish(inputs={"pretrain": data_dir / "pretrain.parquet"}, outputs={"model": out})
+    return {"inputs": {"pretrain": data_dir / "pretrain.parquet"}, "outputs": {"model": out}}
+
+
+@stage_main
+def main(cfg):
+    if cfg.model.hub_id:
+        print(f"base: the base model is {cfg.model.hub_id}@{cfg.model.revision}; nothing to pretrain")
+        return
+    Stage(cfg, "base").run(base_stage, requires=("data",))
 
 
 if __name__ == "__main__":

@@ -7,30 +7,17 @@ from __future__ import annotations
 
 import json
 
+from recipe.config import DataSource
+from recipe.data.hub import build_intellect3
 from recipe.data.schema import TEXT_SCHEMA, write_parquet, write_rows
+from recipe.data.tiny import build_tiny
 from recipe.runs import Stage, stage_main, write_atomic
 
-
-def build(cfg) -> dict[str, list[dict]]:
-    if cfg.data.source == "tiny":
-        from recipe.data.tiny import build_tiny
-
-        return build_tiny(cfg.data)
-    if cfg.data.source == "intellect3":
-        from recipe.data.hub import build_intellect3
-
-        return build_intellect3(cfg.data)
-    raise ValueError(f"data.source must be 'tiny' or 'intellect3', got '{cfg.data.source}'")
+BUILDERS = {DataSource.tiny: build_tiny, DataSource.intellect3: build_intellect3}
 
 
-@stage_main
-def main(cfg):
-    stage = Stage(cfg, "data")
-    if stage.is_done():
-        print(f"data: already done ({stage.dir}); nothing to do")
-        return
-    stage.begin(fresh=True)  # cheap to redo: a killed run simply starts over
-    splits = build(cfg)
+def data_stage(stage: Stage, upstream: dict) -> dict:
+    splits = BUILDERS[stage.cfg.data.source](stage.cfg.data)
     files = {}
     for split, rows in splits.items():
         path = stage.dir / f"{split}.parquet"
@@ -39,7 +26,12 @@ def main(cfg):
         files[path.name] = {"rows": len(rows), "sha256": sha}
         print(f"data: {split:9s} {len(rows):7d} rows -> {path}")
     write_atomic(stage.dir / "data_manifest.json", json.dumps({"files": files}, indent=2, sort_keys=True))
-    stage.finish(inputs={}, outputs={"data": stage.dir / "data_manifest.json"}, extra={"files": files})
+    return {"inputs": {}, "outputs": {"data": stage.dir / "data_manifest.json"}, "extra": {"files": files}}
+
+
+@stage_main
+def main(cfg):
+    Stage(cfg, "data").run(data_stage, fresh=True)  # cheap to redo: a killed run simply starts over
 
 
 if __name__ == "__main__":

@@ -10,24 +10,17 @@ that says what to do, instead of hanging in retries.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import math
-import os
-import threading
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from itertools import islice
 from typing import Callable, Iterable
 
-from recipe.data.schema import DataError, message
+from recipe import hub
+from recipe.data.schema import message, too_easy
 from recipe.envs.math import INSTRUCTION as MATH_INSTRUCTION
+from recipe.errors import DataError
 
 EVAL_MODULUS = 50  # one prompt in 50 (by hash) is held out for eval
-TRUE_VALUES = {"1", "true", "yes", "on"}
 
 Loader = Callable[[str], Iterable[dict]]
 
@@ -157,12 +150,6 @@ def rl_row(raw: dict, subset: str, index: int, data_cfg) -> dict:
     }
 
 
-def too_easy(row: dict, max_pass_rate: float) -> bool:
-    """Offline difficulty filter: a prompt solved more often than this teaches little."""
-    rate = row["difficulty"]
-    return not math.isnan(rate) and rate > max_pass_rate
-
-
 def is_eval(row: dict) -> bool:
     """Held out by a hash of the prompt text, so a prompt (and every duplicate of it) sits in one split only."""
     text = "\n".join(m["content"] for m in row["prompt"])
@@ -183,88 +170,8 @@ def check_pinned(ds, kind: str) -> None:
         raise DataError(f"data.{kind}: no subsets listed for {ds.id}")
 
 
-def hub_offline() -> bool:
-    """Read at call time (the libraries read these once, at import)."""
-    return any(os.environ.get(v, "").strip().lower() in TRUE_VALUES for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-
-
-def hub_endpoint() -> str:
-    from huggingface_hub import constants
-
-    return constants.ENDPOINT
-
-
-def _ask(url: str, timeout: float, outcome: dict) -> None:
-    """GET url; record the status and the hub's X-Error-Code, or why no HTTP answer came."""
-    from huggingface_hub.utils import build_hf_headers
-
-    try:
-        request = urllib.request.Request(url, headers=build_hf_headers())  # the token, if one is configured
-        with urllib.request.urlopen(request, timeout=timeout) as resp:
-            outcome.update(status=resp.status, code=None)
-    except urllib.error.HTTPError as e:
-        outcome.update(status=e.code, code=e.headers.get("X-Error-Code"))
-    except Exception as e:  # URLError, socket errors, bad URLs: all mean "no answer"
-        outcome.update(status=None, reason=f"{type(e).__name__}: {getattr(e, 'reason', e)}")
-
-
-def probe_hub(urls: list[str], timeout: float) -> list[dict]:
-    """Ask every url at once; each answer is {status, code} or {status: None, reason}. The requests run in
-    daemon threads joined against one deadline, because a socket timeout does not bound DNS resolution."""
-    outcomes: list[dict] = [{} for _ in urls]
-    workers = [threading.Thread(target=_ask, args=(u, timeout, o), daemon=True) for u, o in zip(urls, outcomes)]
-    for w in workers:
-        w.start()
-    deadline = time.monotonic() + timeout
-    for w in workers:
-        w.join(max(0.0, deadline - time.monotonic()))
-    return [o if o else {"status": None, "reason": f"no answer within {timeout:g}s"} for o in outcomes]
-
-
-HOWTO = ("pre-download into the HF cache on a machine with network (datasets.load_dataset(id, subset, "
-         "revision=...) for each subset, same HF_HOME), copy that cache here and rerun with HF_HUB_OFFLINE=1")
-
-
-def revision_url(endpoint: str, ds) -> str:
-    return f"{endpoint}/api/datasets/{ds.id}/revision/{urllib.parse.quote(ds.revision, safe='')}"
-
-
-def ensure_hub_reachable(datasets_cfgs, timeout: float) -> None:
-    """Fail fast, naming what was to be loaded, unless the hub itself confirms each pinned revision. An HTTP
-    answer without the hub's X-Error-Code header comes from a proxy or firewall, not from the hub."""
-    if hub_offline():
-        return
-    endpoint = hub_endpoint()
-    answers = probe_hub([revision_url(endpoint, ds) for ds in datasets_cfgs], timeout)
-    unreachable = []
-    for ds, answer in zip(datasets_cfgs, answers):
-        status, code = answer["status"], answer.get("code")
-        if status is not None and 200 <= status < 300:
-            continue
-        if code or status == 401:  # the hub answered: the dataset or the revision is wrong (or private)
-            said = f"{status} {code}" if code else str(status)
-            raise DataError(f"the Hugging Face Hub ({endpoint}) answered {said} for "
-                            f"{ds.id}@{ds.revision}: check the dataset id and the pinned revision "
-                            f"(a private dataset needs HF_TOKEN)")
-        unreachable.append((ds, answer.get("reason") or f"HTTP {status} from something that is not the hub"))
-    if unreachable:
-        refs = " and ".join(f"{ds.id}@{ds.revision}" for ds, _ in unreachable)
-        raise DataError(f"cannot load {refs}: the Hugging Face Hub ({endpoint}) is unreachable "
-                        f"({unreachable[0][1]}); {HOWTO}")
-
-
-@contextlib.contextmanager
-def _libraries_offline():
-    """Make datasets and huggingface_hub honour an offline flag set after they were imported; restored after."""
-    import datasets
-    from huggingface_hub import constants
-
-    saved = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
-    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
-    try:
-        yield
-    finally:
-        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = saved
+def dataset_ref(ds) -> hub.Ref:
+    return hub.Ref("datasets", ds.id, ds.revision)
 
 
 def hub_loader(ds, max_rows: int | None) -> Loader:
@@ -274,10 +181,10 @@ def hub_loader(ds, max_rows: int | None) -> Loader:
     def load(subset: str):
         import datasets
 
-        offline = hub_offline()
+        offline = hub.offline()
         try:
             if offline:
-                with _libraries_offline():
+                with hub.libraries_offline():
                     rows = datasets.load_dataset(ds.id, subset, split=ds.split, revision=ds.revision)
             else:
                 rows = datasets.load_dataset(ds.id, subset, split=ds.split, revision=ds.revision,
@@ -287,7 +194,7 @@ def hub_loader(ds, max_rows: int | None) -> Loader:
             raise
         except Exception as e:  # datasets raises many types (connection, missing config, bad revision)
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            hint = (f"offline mode is on and it is not in the local cache; {HOWTO}" if offline
+            hint = (f"offline mode is on and it is not in the local cache; {hub.HOWTO}" if offline
                     else "check the id, subset and revision")
             raise DataError(f"cannot load {ds.id}@{ds.revision} subset '{subset}': "
                             f"{type(e).__name__}: {first[:200]}; {hint}") from None
@@ -335,7 +242,7 @@ def build_intellect3(data_cfg, loader: Loader | None = None) -> dict[str, list[d
     check_pinned(sft_ds, "sft_dataset")
     check_pinned(rl_ds, "rl_dataset")
     if loader is None:
-        ensure_hub_reachable([sft_ds, rl_ds], data_cfg.hub_timeout_s)
+        hub.ensure_reachable([dataset_ref(sft_ds), dataset_ref(rl_ds)], data_cfg.hub_timeout_s, DataError)
         sft_load, rl_load = hub_loader(sft_ds, data_cfg.max_rows), hub_loader(rl_ds, data_cfg.max_rows)
     else:
         sft_load = rl_load = loader

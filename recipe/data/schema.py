@@ -7,12 +7,14 @@ rows that only carry a verifiable task. answer: the reference answer. info: JSON
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from recipe.runs import StageError, sha256_file, write_atomic
+from recipe.errors import DataError
+from recipe.runs import sha256_file, write_atomic
 
 MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string()), ("tool_calls", pa.string())])
 SCHEMA = pa.schema([
@@ -31,12 +33,16 @@ REQUIRED = [f.name for f in SCHEMA]
 TEXT_SCHEMA = pa.schema([("text", pa.string())])  # plain pretraining text (tiny base model only)
 
 
-class DataError(StageError):
-    pass
-
-
 def message(role: str, content: str, tool_calls: str | None = None) -> dict:
     return {"role": role, "content": content, "tool_calls": tool_calls}
+
+
+def too_easy(row: dict, max_pass_rate: float | None) -> bool:
+    """The offline difficulty filter, for data and RL alike: a prompt whose precomputed pass rate (difficulty)
+    is above max_pass_rate teaches little. None turns the filter off; a row without a pass rate (NaN) is
+    never filtered."""
+    rate = row["difficulty"]
+    return max_pass_rate is not None and not math.isnan(rate) and rate > max_pass_rate
 
 
 def write_rows(rows: list[dict], path: Path) -> str:

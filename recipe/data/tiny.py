@@ -11,10 +11,12 @@ import json
 import random
 import warnings
 
-from recipe.data.schema import DataError, message
+from recipe.chat import OBSERVATION, tool_call, tool_response
+from recipe.data.schema import message
 from recipe.envs.math import INSTRUCTION as MATH_INSTRUCTION
-from recipe.envs.tools import ASSISTANT, OBSERVATION, TOOL_SPECS
 from recipe.envs.tools import INSTRUCTION as TOOLS_INSTRUCTION
+from recipe.envs.tools import TOOL_SPECS
+from recipe.errors import DataError
 
 SPLIT_BUCKETS = {"eval": range(0, 2), "rl": range(2, 6), "sft": range(6, 20)}  # of 20 buckets
 
@@ -58,9 +60,8 @@ def tool_sft_completion(prompt: str, entry: dict, hasty_fraction: float) -> str:
     if h % 10_000 / 10_000 < hasty_fraction:
         guess = a * b + (0 if (h >> 20) % 4 == 0 else ((h >> 24) % 99 + 1) * (1 if (h >> 32) % 2 else -1))
         return f"<think>\n</think>\n{guess}"
-    call = json.dumps({"name": "calculator", "arguments": {"expression": f"{a}*{b}"}})
-    return (f"<tool_call>{call}</tool_call>{OBSERVATION}\n<tool_response>{a * b}</tool_response>{ASSISTANT}\n"
-            f"<think>\n</think>\n{a * b}")
+    return (tool_call("calculator", expression=f"{a}*{b}") + OBSERVATION + tool_response(str(a * b))
+            + f"<think>\n</think>\n{a * b}")
 
 
 def _rg_entries(name: str, size: int, seed: int, params: dict):

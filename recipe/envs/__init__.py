@@ -1,5 +1,5 @@
 """Verifiable environments: a dataset's rows, a parser for the model's answer and a rubric of weighted rewards."""
-from recipe.envs.base import Environment, MaskSample, RewardResult, parse_final_answer
+from recipe.envs.base import Environment, MaskSample, RewardResult
 from recipe.envs.code import CodeEnv
 from recipe.envs.exact import ExactEnv
 from recipe.envs.logic import LogicEnv
@@ -17,4 +17,4 @@ def get_env(name: str) -> Environment:
     return ENVIRONMENTS[name]()
 
 
-__all__ = ["Environment", "MaskSample", "RewardResult", "parse_final_answer", "get_env", "ENVIRONMENTS"]
+__all__ = ["Environment", "MaskSample", "RewardResult", "get_env", "ENVIRONMENTS"]

@@ -13,15 +13,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from recipe.chat import parse_final_answer
+
 log = logging.getLogger(__name__)
-THINK_END = "</think>"
-
-
-def parse_final_answer(completion: str) -> str | None:
-    """The answer is what follows the last </think>. No </think>: the model did not follow the format."""
-    if THINK_END not in completion:
-        return None
-    return completion.rsplit(THINK_END, 1)[1].strip()
 
 
 class RewardTimeout(Exception):
@@ -49,29 +43,6 @@ def call_with_timeout(fn, args: tuple, timeout_s: float):
     return box["value"]
 
 
-SCORING_THREADS = 4  # sandbox runs wait on a child process: a few at once use both cores
-
-
-def score_in_threads(score_one, items: list, parallel=lambda item: True) -> list:
-    """[score_one(x) for x in items]; the items `parallel` picks (those of environments that run a sandboxed
-    process, e.g. code) several at a time, the rest in this thread (math-verify is pure Python)."""
-    out = [None] * len(items)
-    pooled = [i for i, x in enumerate(items) if parallel(x)]
-    if len(pooled) <= 1:
-        pooled = []
-    in_pool = set(pooled)
-    for i, x in enumerate(items):
-        if i not in in_pool:
-            out[i] = score_one(x)
-    if pooled:
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(max_workers=min(SCORING_THREADS, len(pooled)), thread_name_prefix="score") as pool:
-            for i, res in zip(pooled, pool.map(score_one, [items[i] for i in pooled])):
-                out[i] = res
-    return out
-
-
 class MaskSample(Exception):
     """Raised by a reward function when the sample cannot be judged; the message says why."""
 
@@ -91,9 +62,15 @@ class Environment:
     rubric: list[tuple[str, Callable, float]] = []
     reward_timeout_s: float = 30.0  # per reward function call; a verifier that hangs costs the sample only
     score_in_parallel: bool = False  # its samples may be scored several at a time (sandboxed processes)
+    multi_turn: bool = False  # the environment replies to tool calls (tool_reply) and the model goes on
+    max_turns: int = 1  # model turns per sample, the final answer included
 
     def prompt(self, row: dict) -> list[dict]:
         return [{"role": m["role"], "content": m["content"]} for m in row["prompt"]]
+
+    def tool_reply(self, turn: str, row: dict) -> str | None:
+        """The environment's reply to one model turn, or None when the turn is final."""
+        return None
 
     def score(self, completion: str, row: dict) -> RewardResult:
         answer = parse_final_answer(completion)

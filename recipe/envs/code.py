@@ -1,8 +1,8 @@
 """Code: the last ```python block of the final answer, run against the row's tests in recipe.sandbox.
 
 reward = the fraction of tests passed, or, for rows whose info sets `all_tests_must_pass` (LiveCodeBench's
-pass criterion), 1.0 only when every test passes. A sandbox that fails (sandbox_error) or cannot be imported
-masks the sample (RECIPE.md: "a broken sandbox masks the sample"): the program is never blamed for it.
+pass criterion), 1.0 only when every test passes. A sandbox that fails (sandbox_error) masks the sample:
+the program is never blamed for it.
 
 Tests come in the sandbox's format ({"input", "output"} for stdin programs, {"fn", "args", "expected"} for
 functions), either as info["tests"] (benchmarks) or as INTELLECT-3-RL's info["entry"]["tests"]
@@ -16,6 +16,7 @@ import re
 import threading
 
 from recipe.envs.base import Environment, MaskSample
+from recipe.sandbox import run_tests
 
 _FENCE = re.compile(r"```[ \t]*([\w+.-]*)[^\n]*\n(.*?)```", re.DOTALL)
 PYTHON_TAGS = {"python", "py", "python3"}
@@ -73,10 +74,6 @@ def code_passed(answer: str, row: dict) -> float:
     tests = row_tests(row)
     if not tests:
         raise ValueError(f"row {row.get('id')} has no tests")
-    try:
-        from recipe.sandbox import run_tests  # imported here: rows of other environments do not need it
-    except ImportError as e:
-        raise MaskSample(f"sandbox unavailable ({e})") from None
     info = json.loads(row.get("info") or "{}")
     source = program(code, tests, bool(info.get("prelude")))
     key = hashlib.sha256(json.dumps([source, tests], sort_keys=True).encode()).hexdigest()

@@ -8,33 +8,10 @@ it parses "ab" as a*b, so "Albert Einstein" would equal "Einstein Albert". HLE i
 from __future__ import annotations
 
 import re
-import unicodedata
 
+from recipe.envs.answers import candidate, normalize
 from recipe.envs.base import Environment
 from recipe.envs.math import math_correct
-from recipe.envs.science import last_boxed
-
-_ANSWER_LINE = re.compile(r"(?i:answer)\s*[:：]\s*(.+)")
-_WRAPPERS = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf|operatorname)\s*\{([^{}]*)\}")
-
-
-def candidate(answer: str) -> str:
-    boxed = last_boxed(answer)
-    if boxed is not None:
-        return boxed
-    lines = _ANSWER_LINE.findall(answer)
-    return lines[-1] if lines else answer
-
-
-def normalize(text: str) -> str:
-    """Case, spacing, TeX wrappers, dollar signs, markdown emphasis and trailing punctuation do not matter."""
-    text = unicodedata.normalize("NFKC", text)
-    prev = None
-    while prev != text:
-        prev, text = text, _WRAPPERS.sub(r"\1", text)
-    text = text.replace("$", "").replace("**", "").replace("\\,", " ").replace("\\ ", " ")
-    text = re.sub(r"\s+", " ", text).strip().strip(".;,").strip()
-    return text.casefold()
 
 
 def looks_math(text: str) -> bool:

@@ -15,49 +15,27 @@ from __future__ import annotations
 import json
 import re
 
+from recipe.envs.answers import last_boxed, unwrap_tex
 from recipe.envs.base import Environment
 from recipe.envs.math import math_correct
 
-_BOXED = re.compile(r"\\boxed\s*\{")
-_WRAPPERS = re.compile(r"\\(?:text|textbf|mathrm|mathbf)\s*\{([^{}]*)\}")
 _LABEL = re.compile(r"^[\s*_]*[(\[]?\s*([A-Z])\s*(?:[)\].:]|$)")
 _ANSWER = re.compile(r"(?i:answer)(?:\s+is)?\s*[:：]?[\s*_]*(?:(?i:option)\s+)?[(\[]?\s*([A-Z])(?![A-Za-z0-9])")
 _ONLY = re.compile(r"^[\s*_$]*[(\[]?\s*([A-Z])\s*[)\]]?[\s*_.$]*$")
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last \\boxed{...}, braces balanced; None when there is none (or it is unclosed)."""
-    starts = [m.end() for m in _BOXED.finditer(text)]
-    if not starts:
-        return None
-    depth, i = 1, starts[-1]
-    while i < len(text):
-        depth += {"{": 1, "}": -1}.get(text[i], 0)
-        if depth == 0:
-            return text[starts[-1]:i]
-        i += 1
-    return None
-
-
-def _unwrap(text: str) -> str:
-    prev = None
-    while prev != text:  # \text{\textbf{B}} unwraps in two passes
-        prev, text = text, _WRAPPERS.sub(r"\1", text)
-    return text
 
 
 def extract_letter(answer: str, letters: str = "ABCDEFGHIJ") -> str | None:
     """The option letter the final answer commits to (rules in the module docstring), or None."""
     boxed = last_boxed(answer)
     if boxed is not None:
-        m = _LABEL.match(_unwrap(boxed))
+        m = _LABEL.match(unwrap_tex(boxed))
         if m:
             return m.group(1) if m.group(1) in letters else None
-    found = _ANSWER.findall(_unwrap(answer))
+    found = _ANSWER.findall(unwrap_tex(answer))
     if found:
         return found[-1] if found[-1] in letters else None
     for rule in (_ONLY, _LABEL):
-        m = rule.match(_unwrap(answer).strip())
+        m = rule.match(unwrap_tex(answer).strip())
         if m:
             return m.group(1) if m.group(1) in letters else None
     return None

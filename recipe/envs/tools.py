@@ -12,21 +12,19 @@ in the tool response, never an exception. A tool that itself fails (the python t
 sample as masked: neither right nor wrong, like a broken verifier. The answer is read from the last model turn,
 after its </think>.
 
-Rollout helpers shared by eval and RL: Transcript accumulates a sample's turns, next_reply decides on the next one.
+The chat format of calls and replies is recipe.chat's; the turns are run by recipe.rollout, in eval and RL.
 """
 from __future__ import annotations
 
 import ast
-import json
 import math
 import operator
-import re
-from dataclasses import dataclass, field
 
-from recipe.envs.base import Environment, MaskSample, RewardResult
+from recipe.chat import ToolCallError, ends_with_tool_call, final_turn, parse_tool_call, tool_response
+from recipe.envs.answers import candidate, normalize_number
+from recipe.envs.base import Environment, MaskSample
+from recipe.sandbox import Limits, run_python
 
-OBSERVATION = "<|observation|>"
-ASSISTANT = "<|assistant|>"
 INSTRUCTION = ('Tools: calculator(expression), python(code). Call one as <tool_call>{"name": "calculator", '
                '"arguments": {"expression": "2*3"}}</tool_call>. Answer with the number.')
 TOOL_SPECS = [
@@ -36,10 +34,6 @@ TOOL_SPECS = [
      "parameters": {"type": "object", "properties": {"code": {"type": "string"}}, "required": ["code"]}},
 ]
 MAX_RESPONSE_CHARS = 400  # tool output is cut here: long outputs would swamp a small context
-
-_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-_XML_FN = re.compile(r"<function=([\w.-]+)>(.*?)(?:</function>|$)", re.DOTALL)
-_XML_PARAM = re.compile(r"<parameter=([\w.-]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
 
 class ToolError(Exception):
@@ -106,8 +100,6 @@ def run_python_tool(code: str) -> str:
     """Model-written code runs in recipe.sandbox only, with small limits."""
     if not isinstance(code, str):
         return "error: code must be a string"
-    from recipe.sandbox import Limits, run_python  # imported here: the calculator does not need it
-
     res = run_python(code, "", Limits(cpu_s=2.0, wall_s=5.0, memory_mb=256, output_bytes=4096))
     if res.sandbox_failed:  # the tool, not the model, failed: the sample cannot be judged fairly
         raise MaskSample(f"python tool: sandbox unavailable ({res.reason})")
@@ -120,38 +112,12 @@ def run_python_tool(code: str) -> str:
 TOOLS = {"calculator": ("expression", calculate), "python": ("code", run_python_tool)}
 
 
-# ------------------------------------------------------------------------------------------------ parsing
-
-def parse_tool_call(turn: str) -> tuple[str, dict]:
-    """(name, arguments) of the first call in the turn; ToolError says what is wrong with it."""
-    m = _CALL.search(turn)
-    if m is None:
-        raise ToolError("no <tool_call> found")
-    body = m.group(1).strip()
-    fn = _XML_FN.search(body)
-    if fn is not None:  # qwen3_coder form
-        return fn.group(1), {k: v for k, v in _XML_PARAM.findall(fn.group(2))}
-    try:
-        call = json.loads(body)
-    except json.JSONDecodeError as e:
-        raise ToolError(f"invalid JSON in tool call ({e.msg})") from None
-    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        raise ToolError('tool call must be {"name": ..., "arguments": {...}}')
-    args = call.get("arguments", {})
-    if isinstance(args, str):  # OpenAI-style arguments given as a JSON string
-        try:
-            args = json.loads(args)
-        except json.JSONDecodeError:
-            raise ToolError("arguments are not valid JSON") from None
-    if not isinstance(args, dict):
-        raise ToolError("arguments must be an object")
-    return call["name"], args
-
+# ------------------------------------------------------------------------------------------------ calls
 
 def run_tool_call(turn: str) -> str:
     try:
         name, args = parse_tool_call(turn)
-    except ToolError as e:
+    except ToolCallError as e:
         return f"error: {e}"
     if name not in TOOLS:
         return f"error: unknown tool '{name}' (known: {', '.join(sorted(TOOLS))})"
@@ -162,19 +128,8 @@ def run_tool_call(turn: str) -> str:
     return out if len(out) <= MAX_RESPONSE_CHARS else out[:MAX_RESPONSE_CHARS] + "...[cut]"
 
 
-def final_turn(transcript: str) -> str:
-    """The last model turn: what follows the last environment reply."""
-    return transcript.rsplit(ASSISTANT, 1)[-1]
-
-
-def _normalise(s: str) -> str:
-    m = re.search(r"\\boxed\{([^{}]*)\}", s)
-    s = m.group(1) if m else s
-    return s.strip().replace(",", "").replace(" ", "").rstrip(".")
-
-
 def answer_correct(answer: str, row: dict) -> float:
-    pred, gold = _normalise(answer), _normalise(row["answer"])
+    pred, gold = normalize_number(candidate(answer)), normalize_number(row["answer"])
     if pred == gold:
         return 1.0
     try:
@@ -192,72 +147,10 @@ class ToolsEnv(Environment):
     def tool_reply(self, turn: str, row: dict) -> str | None:
         """The environment's reply to one model turn, or None when the turn is final (it did not stop at
         <|observation|>)."""
-        if not turn.rstrip().endswith(OBSERVATION):
+        if not ends_with_tool_call(turn):
             return None
-        return f"\n<tool_response>{run_tool_call(turn)}</tool_response>{ASSISTANT}\n"
+        return tool_response(run_tool_call(turn))
 
     def score(self, completion: str, row: dict):
         # only the last turn answers: a </think> in an earlier turn must not be read as the answer
         return super().score(final_turn(completion), row)
-
-
-# ------------------------------------------------------------------------------------------------ rollouts
-
-@dataclass
-class Transcript:
-    """One sample's turns so far: model tokens (loss_mask 1) and environment tokens (loss_mask 0, logprob 0)."""
-
-    ids: list = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    loss_mask: list = field(default_factory=list)
-    turns: int = 0
-    last_turn: list = field(default_factory=list)
-    finish_reason: str = "stop"
-    policy_version: int | None = None
-    mask_reason: str | None = None  # set when a tool failed (not the model): the sample is masked
-
-    def add_model(self, completion) -> None:
-        self.ids += completion.token_ids
-        self.logprobs += completion.logprobs
-        self.loss_mask += [1] * len(completion.token_ids)
-        self.last_turn = list(completion.token_ids)
-        self.turns += 1
-        self.finish_reason = completion.finish_reason
-        v = completion.policy_version
-        self.policy_version = v if self.policy_version is None else min(self.policy_version, v)
-
-    def add_env(self, ids: list[int]) -> None:
-        self.ids += ids
-        self.logprobs += [0.0] * len(ids)
-        self.loss_mask += [0] * len(ids)
-
-    def completion(self):
-        from recipe.inference import Completion
-
-        extra = {"loss_mask": list(self.loss_mask), "turns": self.turns}
-        if self.mask_reason:
-            extra["mask_reason"] = self.mask_reason
-        return Completion(list(self.ids), list(self.logprobs), self.finish_reason, self.policy_version or 0,
-                          extra=extra)
-
-
-def next_reply(env, tokenizer, transcript: Transcript, row: dict) -> list[int] | None:
-    """Token ids of the environment's reply to the last model turn, or None when the sample is final."""
-    from recipe.model import completion_text
-
-    if transcript.turns >= env.max_turns or transcript.finish_reason != "stop":
-        return None
-    try:
-        reply = env.tool_reply(completion_text(tokenizer, transcript.last_turn), row)
-    except MaskSample as e:  # the sample ends here, masked
-        transcript.mask_reason = str(e)
-        return None
-    return None if reply is None else tokenizer.encode(reply, add_special_tokens=False)
-
-
-def score_sample(env, text: str, row: dict, completion) -> RewardResult:
-    """env.score, except that a sample whose tool failed is masked whatever its text says."""
-    reason = completion.extra.get("mask_reason") if completion.extra else None
-    if reason:
-        return RewardResult(reward=0.0, masked=True, mask_reason=reason)
-    return env.score(text, row)

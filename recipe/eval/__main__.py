@@ -7,7 +7,6 @@ eval/<checkpoint>/<benchmark>/{results.json, samples.jsonl} for each benchmark; 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import time
 from pathlib import Path
@@ -15,9 +14,15 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from recipe.config import config_hash
-from recipe.runs import (STAGE_KEYS, Stage, StageError, provenance, sha256_tree, stage_dir, stage_main,
-                         write_atomic)
+from recipe.config import EngineKind, config_hash
+from recipe.data.schema import read_split
+from recipe.errors import StageError
+from recipe.eval.benchmarks import load_benchmark, resolve, run_benchmark, validate_benchmarks
+from recipe.eval.report import write_report
+from recipe.eval.runner import evaluate
+from recipe.inference.hf import HFEngine
+from recipe.inference.vllm import VLLMEngine
+from recipe.runs import STAGE_KEYS, Stage, provenance, sha256_tree, stage_dir, stage_main, write_atomic
 
 # eval keys that only concern the benchmarks: left out of the held-out suite's key, so that adding a benchmark
 # does not redo the held-out eval (and the key stays what it was before these keys existed)
@@ -35,19 +40,9 @@ def checkpoint_path(cfg, name: str):
 
 
 def make_eval_engine(cfg, path, out_dir):
-    if cfg.eval.engine == "hf":
-        from recipe.inference.hf import HFEngine
-
+    if cfg.eval.engine == EngineKind.hf:
         return HFEngine.from_pretrained(str(path), batch_size=cfg.eval.batch_size)
-    if cfg.eval.engine == "vllm":
-        from recipe.inference.vllm import VLLMEngine
-
-        return VLLMEngine(str(path), cfg, log_path=out_dir / "vllm_server.log")
-    raise ValueError(f"eval.engine must be 'hf' or 'vllm', got '{cfg.eval.engine}'")
-
-
-def sandbox_available() -> bool:
-    return importlib.util.find_spec("recipe.sandbox") is not None
+    return VLLMEngine(str(path), cfg, log_path=out_dir / "vllm_server.log")
 
 
 def _sha(data) -> str:
@@ -60,8 +55,6 @@ def held_out_hash(cfg) -> str:
 
 
 def held_out_rows(cfg) -> list[dict]:
-    from recipe.data.schema import read_split
-
     rows = read_split(stage_dir(cfg, "data"), "eval")
     if cfg.eval.max_problems_per_task:
         per_task: dict[str, int] = {}
@@ -92,19 +85,12 @@ def _up_to_date(folder: Path, key: str) -> bool:
 
 @stage_main
 def main(cfg):
-    from recipe.eval.benchmarks import load_benchmark, resolve, run_benchmark
-    from recipe.eval.report import write_report
-    from recipe.eval.runner import evaluate
-
+    validate_benchmarks(cfg.eval)
     torch.set_num_threads(cfg.eval.threads)
     stage = Stage(cfg, "eval")
     data_dir = stage_dir(cfg, "data")
     rows = held_out_rows(cfg) if cfg.eval.held_out else []
     specs = [resolve(b, cfg.eval) for b in cfg.eval.benchmarks]
-    for spec in specs:  # before any model loads
-        if spec.env == "code" and not sandbox_available():
-            raise StageError(f"eval: {spec.title} is scored by running programs in recipe.sandbox, which this "
-                             f"checkout lacks; drop {spec.name} from eval.benchmarks or add the sandbox")
     bench_rows: dict[str, list[dict]] = {}
     stage.dir.mkdir(parents=True, exist_ok=True)
     for name in cfg.eval.checkpoints:

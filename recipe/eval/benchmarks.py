@@ -1,4 +1,4 @@
-"""The paper's benchmarks (RECIPE.md, "Evaluation (model card)"): dataset, pinned revision, prompt, scorer and
+"""The paper's benchmarks (docs/recipe.md, "Evaluation"): dataset, pinned revision, prompt, scorer and
 protocol of each, and converters from each dataset's own rows to the project's row schema.
 
 Scorers are environments (recipe/envs): `math` (math-verify) for MATH-500 and AIME, `science` (the option
@@ -6,11 +6,12 @@ letter) for GPQA, MMLU-Pro and HLE's multiple-choice rows, `exact` for HLE's exa
 sandbox's tests, all of them must pass) for LiveCodeBench. Samples per problem follow the paper: AIME avg@32,
 GPQA avg@4, LiveCodeBench avg@2, the rest avg@1.
 
-Nothing heavy is imported at module level: recipe/config.py reads the registry to validate names.
+validate_benchmarks checks eval.benchmarks against this registry; the eval and plan stages call it.
 """
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -20,13 +21,22 @@ import string
 import sys
 import time
 import zlib
-from collections import namedtuple
 from dataclasses import dataclass
+from datetime import date
 from itertools import islice
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
-from recipe.runs import StageError
+import datasets
+from huggingface_hub import hf_hub_download
+
+from recipe import hub
+from recipe.config import EvalConfig
+from recipe.data.schema import message
+from recipe.envs.math import INSTRUCTION as MATH_INSTRUCTION
+from recipe.errors import ConfigError, HubError, StageError
+from recipe.eval.metrics import summarize
+from recipe.eval.runner import evaluate, problem_records
 
 FIXTURES = Path(__file__).resolve().parent.parent.parent / "data" / "fixtures" / "benchmarks"
 SPLIT = "eval"  # the schema's split of every benchmark row
@@ -82,17 +92,13 @@ class Benchmark:
 # ---------------------------------------------------------------- helpers
 
 
-def _message(role: str, content: str) -> dict:
-    return {"role": role, "content": content, "tool_calls": None}  # recipe.data.schema.message, import-free
-
-
 def _row(spec: Benchmark, index: int, source_id, env: str, task: str, text: str, answer: str,
          difficulty: float = 0.0, **info) -> dict:
     source = {"dataset": spec.hub_id, "config": spec.config_name, "split": spec.split, "revision": spec.revision,
               "index": index, "id": source_id}
     return {
         "id": f"{spec.name}/{source_id}", "env": env, "task": str(task or spec.name), "split": SPLIT,
-        "prompt": [_message("user", text)], "completion": [], "answer": str(answer).strip(),
+        "prompt": [message("user", text)], "completion": [], "answer": str(answer).strip(),
         "info": json.dumps({"benchmark": spec.name, "source": source, **info}, sort_keys=True, ensure_ascii=False),
         "difficulty": float(difficulty), "tools": "[]",
     }
@@ -105,9 +111,7 @@ def mc_prompt(question: str, choices: list[str]) -> str:
 
 
 def math_prompt(problem: str) -> str:
-    from recipe.envs.math import INSTRUCTION  # INTELLECT-3's math environment instruction
-
-    return f"{INSTRUCTION}\n{problem}"
+    return f"{MATH_INSTRUCTION}\n{problem}"  # INTELLECT-3's math environment instruction
 
 
 def shuffled_choices(correct: str, incorrect: list[str], key: str) -> tuple[list[str], int]:
@@ -313,11 +317,42 @@ def resolve(bench_cfg, eval_cfg) -> Benchmark:
         max_problems=pick(bench_cfg.max_problems, eval_cfg.benchmark_max_problems, 0) or None)
 
 
-# ---------------------------------------------------------------- loading
+def validate_benchmarks(ev) -> None:
+    """eval.benchmarks against the registry: known names, each once, settings in range."""
+    seen = set()
+    for i, b in enumerate(ev.benchmarks):
+        key = f"eval.benchmarks[{i}]"
+        if b.name not in REGISTRY:
+            raise ConfigError(f"config error: {key}.name={b.name!r} is not a known benchmark "
+                              f"(known: {', '.join(REGISTRY)})")
+        if b.name in seen:
+            raise ConfigError(f"config error: {key}.name={b.name!r} is listed twice")
+        seen.add(b.name)
+        spec = REGISTRY[b.name]
+        samples = b.samples if b.samples is not None else spec.samples
+        for field_name in ("samples", "max_new_tokens", "max_problems"):
+            value = getattr(b, field_name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"config error: {key}.{field_name} must be positive, got {value}")
+        if b.pass_k is not None and (not b.pass_k or min(b.pass_k) < 1 or max(b.pass_k) > samples):
+            raise ConfigError(f"config error: {key}.pass_k={list(b.pass_k)} must lie in 1..samples ({samples})")
+        if b.temperature is not None and b.temperature < 0:
+            raise ConfigError(f"config error: {key}.temperature must be >= 0, got {b.temperature}")
+        if b.top_p is not None and not 0 < b.top_p <= 1:
+            raise ConfigError(f"config error: {key}.top_p must be in (0, 1], got {b.top_p}")
+        for field_name in ("contest_date_from", "contest_date_to"):
+            value = getattr(b, field_name)
+            if value is None:
+                continue
+            if spec.contest_dates is None:
+                raise ConfigError(f"config error: {key}.{field_name}: {b.name} rows carry no contest date")
+            try:
+                date.fromisoformat(value)
+            except ValueError:
+                raise ConfigError(f"config error: {key}.{field_name}={value!r} is not a YYYY-MM-DD date") from None
 
-_Ref = namedtuple("_Ref", "id revision")
-HOWTO = ("pre-fill the HF cache on a machine with network (`python -m recipe.eval.benchmarks NAME...`, same "
-         "HF_HOME), copy that cache here and rerun with HF_HUB_OFFLINE=1")
+
+# ---------------------------------------------------------------- loading
 
 
 def _fail(spec: Benchmark, what: str) -> BenchmarkError:
@@ -332,8 +367,6 @@ def fixture_rows(spec: Benchmark) -> list[dict]:
 def _jsonl_files(spec: Benchmark, cache_dir) -> Iterator[dict]:
     """Files of the repository at the pinned revision, through the HF cache. LiveCodeBench ships a loading
     script, which datasets no longer runs; its jsonl files are read directly (and no hub code is executed)."""
-    from huggingface_hub import hf_hub_download
-
     for name in spec.data_files:
         path = hf_hub_download(spec.hub_id, name, repo_type="dataset", revision=spec.revision, cache_dir=cache_dir)
         with open(path, encoding="utf-8") as f:
@@ -343,15 +376,9 @@ def _jsonl_files(spec: Benchmark, cache_dir) -> Iterator[dict]:
 
 
 def _hub_rows(spec: Benchmark, cache_dir, streaming: bool) -> Iterator[dict]:
-    import contextlib
-
-    import datasets
-
-    from recipe.data.hub import _libraries_offline, hub_offline
-
-    offline = hub_offline()
+    offline = hub.offline()
     try:
-        with _libraries_offline() if offline else contextlib.nullcontext():
+        with hub.libraries_offline() if offline else contextlib.nullcontext():
             if spec.data_files:
                 yield from _jsonl_files(spec, cache_dir)
             else:
@@ -360,7 +387,7 @@ def _hub_rows(spec: Benchmark, cache_dir, streaming: bool) -> Iterator[dict]:
                                                  streaming=streaming and not offline)
     except Exception as e:  # datasets and huggingface_hub raise many types (connection, gated, bad revision)
         first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        hint = (f"offline mode is on and it is not in the local cache; {HOWTO}" if offline else
+        hint = (f"offline mode is on and it is not in the local cache; {hub.HOWTO}" if offline else
                 "check the id, config and revision (a gated dataset such as GPQA or HLE needs its terms accepted "
                 "and HF_TOKEN)")
         raise _fail(spec, f"cannot load {spec.hub_id}@{spec.revision}: {type(e).__name__}: {first[:200]}; "
@@ -374,13 +401,10 @@ def raw_rows(spec: Benchmark, cache_dir=None, offline_fixture: bool = False, tim
         return fixture_rows(spec)
     if len(spec.revision) != 40 or any(c not in string.hexdigits for c in spec.revision):
         raise _fail(spec, f"revision {spec.revision!r} of {spec.hub_id} is not a full commit id")
-    from recipe.data import hub
-    from recipe.data.schema import DataError
-
     try:
-        hub.ensure_hub_reachable([_Ref(spec.hub_id, spec.revision)], timeout)
-    except DataError as e:  # its how-to speaks of the training data: give this module's
-        raise _fail(spec, str(e).replace(hub.HOWTO, HOWTO)) from None
+        hub.ensure_reachable([hub.Ref("datasets", spec.hub_id, spec.revision)], timeout)
+    except HubError as e:
+        raise _fail(spec, str(e)) from None
     return _hub_rows(spec, cache_dir, streaming=spec.max_problems is not None)
 
 
@@ -412,10 +436,6 @@ def run_benchmark(engine, tokenizer, spec: Benchmark, rows: list[dict], out_dir:
                   desc: str = "") -> dict:
     """Every problem k times with the benchmark's sampling settings, through the resumable eval runner; adds the
     benchmark's own score (avg@k over all its problems) and protocol to the runner's per-env/task results."""
-    from recipe.config import EvalConfig
-    from recipe.eval.metrics import summarize
-    from recipe.eval.runner import evaluate, problem_records
-
     ecfg = EvalConfig(samples=spec.samples, pass_k=list(spec.pass_k), temperature=spec.temperature,
                       top_p=spec.top_p, max_new_tokens=spec.max_new_tokens, batch_size=batch_size, seed=seed)
     res = evaluate(engine, tokenizer, rows, ecfg, Path(out_dir), desc=desc or spec.title)

@@ -11,12 +11,11 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from recipe.chat import completion_text, encode_prompt, parse_final_answer
 from recipe.envs import get_env
-from recipe.envs.base import parse_final_answer, score_in_threads
-from recipe.envs.tools import Transcript, next_reply, score_sample
 from recipe.eval.metrics import breakdown
-from recipe.inference import SamplingParams
-from recipe.model import completion_text, encode_prompt
+from recipe.inference.engine import Generator
+from recipe.rollout import SamplingParams, Transcript, next_reply, score_in_threads, score_sample
 
 
 def _reason(completion, reward: float, finish: str, errors: list, mask_reason: str | None = None) -> str:
@@ -54,7 +53,7 @@ def tool_turns(engine, tokenizer, chunk, k, prompts, completions, params) -> lis
     envs = [get_env(r["env"]) for r in chunk]
     ts = {}
     for j, c in enumerate(completions):
-        if getattr(envs[j // k], "multi_turn", False):
+        if envs[j // k].multi_turn:
             ts[j] = Transcript()
             ts[j].add_model(c)
     active = list(ts)
@@ -75,7 +74,7 @@ def tool_turns(engine, tokenizer, chunk, k, prompts, completions, params) -> lis
     return out
 
 
-def evaluate(engine, tokenizer, rows: list[dict], eval_cfg, out_dir: Path, desc: str = "eval") -> dict:
+def evaluate(engine: Generator, tokenizer, rows: list[dict], eval_cfg, out_dir: Path, desc: str = "eval") -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     samples_path = out_dir / "samples.jsonl"
     k = eval_cfg.samples
@@ -94,7 +93,7 @@ def evaluate(engine, tokenizer, rows: list[dict], eval_cfg, out_dir: Path, desc:
         params = SamplingParams(max_new_tokens=eval_cfg.max_new_tokens, temperature=eval_cfg.temperature,
                                 top_p=eval_cfg.top_p, seed=eval_cfg.seed + len(rows) - len(todo) + start)
         completions = engine.generate(prompts, params)
-        if any(getattr(get_env(r["env"]), "multi_turn", False) for r in chunk):
+        if any(get_env(r["env"]).multi_turn for r in chunk):
             completions = tool_turns(engine, tokenizer, chunk, k, prompts, completions, params)
         texts = [completion_text(tokenizer, c.token_ids) for c in completions]
         envs = [get_env(r["env"]) for r in chunk]

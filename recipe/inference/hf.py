@@ -6,8 +6,12 @@ same distribution the RL trainer recomputes, so the importance ratio starts at 1
 from __future__ import annotations
 
 import torch
+from safetensors.torch import load_file
+from transformers import DynamicCache
 
-from recipe.inference import Completion, SamplingParams
+from recipe.chat import stop_token_ids
+from recipe.model import load_pretrained
+from recipe.rollout import Completion, SamplingParams
 
 
 class HFEngine:
@@ -21,13 +25,12 @@ class HFEngine:
 
     @classmethod
     def from_pretrained(cls, path: str, batch_size: int = 64):
-        from recipe.model import load_pretrained, stop_token_ids
-
         model, tokenizer = load_pretrained(path)
         return cls(model, tokenizer, stop_token_ids(tokenizer), batch_size)
 
-    def update_weights(self, state_dict: dict, version: int) -> None:
-        self.model.load_state_dict(state_dict)
+    def update_weights(self, path, version: int) -> None:
+        """Load the safetensors state dict the trainer published at `path` as policy `version`."""
+        self.model.load_state_dict(load_file(str(path)))
         self.policy_version = version
 
     @torch.no_grad()
@@ -48,8 +51,6 @@ class HFEngine:
         transformers' generate() keeps every row until the longest is done, so one rambling sample makes the
         whole batch pay for max_new_tokens; here a step costs only the rows still running.
         """
-        from transformers import DynamicCache
-
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros_like(input_ids)

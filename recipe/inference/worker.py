@@ -1,8 +1,8 @@
 """The hf engine in a process of its own, with its own CPU threads, so that generation overlaps training.
 
-Protocol (two queues). In: ("generate", [Request]), ("update", weights_path, version), ("stop",).
-Out: ("ready", version), ("done", [(request_id, Completion)], busy_seconds), ("updated", version),
-("cancelled", [request_id]), ("error", message).
+The client (HFEngineProcess) speaks the Engine contract of recipe.inference.engine. Inside, two queues:
+commands in ("generate", [Request]), ("update", weights_path, version), ("stop",); out the contract's Done and
+Cancelled events, plus ("ready", version), ("updated", version) and ("error", traceback) for the client alone.
 
 Requests run first in, first out, in batches. Weights are swapped between batches, while later requests wait:
 each completion carries the policy version that wrote it. A request that waited past max_off_policy_steps
@@ -18,17 +18,11 @@ import signal
 import time
 import traceback
 from collections import deque
-from dataclasses import dataclass
 
-from recipe.inference import Completion, SamplingParams
+import torch
 
-
-@dataclass
-class Request:
-    id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    submitted_version: int
+from recipe.inference.engine import Cancelled, Done, Event, Request
+from recipe.inference.hf import HFEngine
 
 
 def _die_with_parent() -> None:
@@ -42,16 +36,10 @@ def _die_with_parent() -> None:
 def _worker(model_path, threads, batch_size, max_off_policy_steps, version, cpu, req_q, res_q):
     _die_with_parent()
     parent = os.getppid()
-    import torch
-
     torch.set_num_threads(threads)
     if cpu is not None and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {cpu})
     try:
-        from safetensors.torch import load_file
-
-        from recipe.inference.hf import HFEngine
-
         engine = HFEngine.from_pretrained(model_path, batch_size=batch_size)
         engine.policy_version = version
     except Exception:
@@ -72,31 +60,30 @@ def _worker(model_path, threads, batch_size, max_off_policy_steps, version, cpu,
             if msg[0] == "generate":
                 pending.extend(msg[1])
             elif msg[0] == "update":
-                engine.update_weights(load_file(msg[1]), msg[2])
+                engine.update_weights(msg[1], msg[2])
                 res_q.put(("updated", msg[2]))
             try:
                 msg = req_q.get_nowait()
             except queue.Empty:
                 msg = None
-        stale = [r.id for r in pending if engine.policy_version - r.submitted_version > max_off_policy_steps]
+        stale = {r.id for r in pending if engine.policy_version - r.submitted_version > max_off_policy_steps}
         if stale:
-            pending = deque(r for r in pending if r.id not in set(stale))
-            res_q.put(("cancelled", stale))
+            pending = deque(r for r in pending if r.id not in stale)
+            res_q.put(Cancelled(sorted(stale)))
         if not pending:
             continue
         batch = [pending.popleft() for _ in range(min(batch_size, len(pending)))]
         t0 = time.perf_counter()
         try:
-            params = batch[0].params
-            outs = engine.generate([r.prompt_ids for r in batch], params)
+            outs = engine.generate([r.prompt_ids for r in batch], batch[0].params)
         except Exception:
             res_q.put(("error", traceback.format_exc()))
             return
-        res_q.put(("done", [(r.id, c) for r, c in zip(batch, outs)], time.perf_counter() - t0))
+        res_q.put(Done([(r.id, c) for r, c in zip(batch, outs)], time.perf_counter() - t0))
 
 
 class HFEngineProcess:
-    """Client side of the engine process."""
+    """Client side of the engine process (the Engine contract)."""
 
     def __init__(self, model_path: str, threads: int = 1, batch_size: int = 64, max_off_policy_steps: int = 8,
                  version: int = 0, cpu: int | None = None, start_timeout: float = 300.0):
@@ -105,30 +92,40 @@ class HFEngineProcess:
         self.proc = ctx.Process(target=_worker, daemon=True, args=(
             str(model_path), threads, batch_size, max_off_policy_steps, version, cpu, self.req_q, self.res_q))
         self.proc.start()
-        event = self.poll(timeout=start_timeout)
-        if not event or event[0] != "ready":
+        msg = self._next(timeout=start_timeout)
+        if not (isinstance(msg, tuple) and msg[0] == "ready"):
             self.close()
-            raise RuntimeError(f"hf engine process failed to start: {event[1] if event else 'timed out'}")
+            raise RuntimeError("hf engine process failed to start: timed out")
         self.policy_version = version
 
     def submit(self, requests: list[Request]) -> None:
         self.req_q.put(("generate", requests))
 
-    def update_weights(self, weights_path: str, version: int) -> None:
-        self.req_q.put(("update", str(weights_path), version))
+    def update_weights(self, path, version: int) -> None:
+        self.req_q.put(("update", str(path), version))
         self.policy_version = version
 
-    def poll(self, timeout: float | None = None):
-        """Next event from the engine, or None after timeout. An engine that died is an error."""
+    def _next(self, timeout: float | None):
+        """The next message from the process, or None after timeout. An engine that died or failed raises."""
         try:
-            event = self.res_q.get(timeout=timeout)
+            msg = self.res_q.get(timeout=timeout)
         except queue.Empty:
             if not self.proc.is_alive():
                 raise RuntimeError(f"hf engine process died (exit code {self.proc.exitcode})") from None
             return None
-        if event[0] == "error":
-            raise RuntimeError(f"hf engine process failed:\n{event[1]}")
-        return event
+        if isinstance(msg, tuple) and msg[0] == "error":
+            raise RuntimeError(f"hf engine process failed:\n{msg[1]}")
+        return msg
+
+    def poll(self, timeout: float | None = None) -> Event | None:
+        """The next Done or Cancelled event, or None after timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            msg = self._next(left)
+            if msg is None or isinstance(msg, (Done, Cancelled)):
+                return msg
+            # ("updated", version): the weights are in; nothing for the caller to do
 
     def close(self) -> None:
         if self.proc.is_alive():

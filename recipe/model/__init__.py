@@ -5,35 +5,19 @@ Glm4MoeForCausalLM of about a million parameters. Real presets: the hub model id
 """
 from __future__ import annotations
 
-import os
-import socket
 from pathlib import Path
-from urllib.parse import urlparse
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (AutoModelForCausalLM, AutoTokenizer, Glm4MoeConfig, Glm4MoeForCausalLM,
+                          PreTrainedTokenizerFast)
 
-from recipe.runs import StageError
-
-# GLM-4.5's chat tokens; a turn ends where the next role token (or end of text) begins.
-SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
-                  "<|observation|>", "<think>", "</think>", "<tool_call>", "</tool_call>"]
-STOP_TOKENS = ["<|endoftext|>", "<|user|>", "<|observation|>"]
-# Same shape as GLM-4.5's template: [gMASK]<sop>, then <|role|>\ncontent per message. The assistant turn is
-# closed by <|endoftext|> so that a model trained on single-turn data learns where to stop.
-CHAT_TEMPLATE = (
-    "[gMASK]<sop>"
-    "{%- for m in messages -%}"
-    "<|{{ m['role'] }}|>\n{{ m['content'] }}"
-    "{%- if m['role'] == 'assistant' -%}<|endoftext|>{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt %}<|assistant|>\n{% endif -%}"
-)
+from recipe import hub
+from recipe.chat import CHAT_TEMPLATE, ENDOFTEXT, SPECIAL_TOKENS, stop_token_ids
+from recipe.errors import StageError
 
 
 def build_tokenizer(texts, vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
     tok = Tokenizer(models.BPE())
     # single-digit tokens: arithmetic over multi-digit tokens is much harder for a small model to learn
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -44,14 +28,12 @@ def build_tokenizer(texts, vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|pad|>",
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=ENDOFTEXT, pad_token="<|pad|>",
                                    chat_template=CHAT_TEMPLATE, padding_side="left",
                                    model_max_length=100_000)
 
 
 def build_tiny_model(arch, tokenizer, seed: int = 0):
-    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
-
     torch.manual_seed(seed)
     config = Glm4MoeConfig(
         vocab_size=len(tokenizer), hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
@@ -72,52 +54,22 @@ def build_tiny_model(arch, tokenizer, seed: int = 0):
     return model
 
 
-def stop_token_ids(tokenizer) -> list[int]:
-    ids = [tokenizer.convert_tokens_to_ids(t) for t in STOP_TOKENS]
-    return [i for i in ids if i is not None and i != tokenizer.unk_token_id]
-
-
-def hub_reachable(timeout: float = 5.0) -> bool:
-    if os.environ.get("HF_HUB_OFFLINE") == "1":
-        return False
-    url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
-    try:
-        with socket.create_connection((url.hostname, url.port or 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
-
-
 def load_pretrained(path_or_id: str, revision: str | None = None, dtype: str = "float32",
                     attn_implementation: str = "sdpa"):
     """Load model and tokenizer from a local folder, or from the hub at a pinned revision (clear error offline)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     local = Path(path_or_id).exists()
+    kwargs = {}
     if not local:
         if not revision:
             raise StageError(f"model {path_or_id}: no revision given; every hub reference must be pinned")
-        offline = not hub_reachable()
-        kwargs = {"revision": revision, "local_files_only": offline}
-    else:
-        kwargs = {}
+        hub.ensure_reachable([hub.Ref("models", path_or_id, revision)], timeout=10.0)
+        kwargs = {"revision": revision, "local_files_only": hub.offline()}
     try:
         tokenizer = AutoTokenizer.from_pretrained(path_or_id, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=getattr(torch, dtype),
                                                      attn_implementation=attn_implementation, **kwargs)
     except OSError as e:
-        where = "the local folder" if local else f"the hub at revision {revision} (hub reachable: {not offline})"
+        where = "the local folder" if local else (f"the local HF cache at revision {revision} (offline mode is on; "
+                                                  f"{hub.HOWTO})" if hub.offline() else f"the hub at revision {revision}")
         raise StageError(f"cannot load model {path_or_id} from {where}: {str(e).splitlines()[0]}") from None
     return model, tokenizer
-
-
-def encode_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    """Chat-template the messages with the generation prompt and return token ids."""
-    msgs = [{"role": m["role"], "content": m["content"]} for m in messages]
-    text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-    return tokenizer.encode(text, add_special_tokens=False)
-
-
-def completion_text(tokenizer, token_ids: list[int]) -> str:
-    """The completion as the environments see it: decoded, cut at the end-of-text stop token."""
-    return tokenizer.decode(token_ids, skip_special_tokens=False).split("<|endoftext|>")[0]

@@ -13,20 +13,20 @@ import shutil
 import sys
 import time
 
+import torch
 from omegaconf import OmegaConf
 
-from recipe.runs import require_done, stage_dir, stage_main, write_atomic
+from recipe.data.schema import read_split
+from recipe.eval.report import write_report
+from recipe.eval.runner import evaluate
+from recipe.inference.hf import HFEngine
+from recipe.rl.loop import run_rl
+from recipe.runs import provenance, require_done, stage_dir, stage_main, write_atomic
 
 LEVELS = (0, 1, 2)
 
 
 def bench_level(cfg, level: int, out_dir, eval_rows):
-    import torch
-
-    from recipe.eval.runner import evaluate
-    from recipe.inference.hf import HFEngine
-    from recipe.rl.__main__ import run_rl
-
     run_cfg = OmegaConf.merge(cfg, {"rl": {"max_async_level": level, "max_steps": cfg.rl.bench_steps}})
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
@@ -64,10 +64,6 @@ def bench_level(cfg, level: int, out_dir, eval_rows):
 
 @stage_main
 def main(cfg):
-    from recipe.data.schema import read_split
-    from recipe.eval.report import write_report
-    from recipe.runs import provenance
-
     rows = read_split(require_done(cfg, "data"), "eval")
     bench_dir = stage_dir(cfg, "bench")
     started = time.time()

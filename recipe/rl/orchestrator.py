@@ -20,13 +20,12 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from recipe.config import ConfigError
+from recipe.chat import completion_text, encode_prompt
+from recipe.data.schema import too_easy
 from recipe.envs import get_env
-from recipe.envs.base import score_in_threads
-from recipe.envs.tools import Transcript, next_reply, score_sample
-from recipe.inference import Completion, SamplingParams
-from recipe.inference.worker import Request
-from recipe.model import completion_text, encode_prompt
+from recipe.errors import ConfigError
+from recipe.inference.engine import Cancelled, Done, Engine, Event, Request
+from recipe.rollout import Completion, SamplingParams, Transcript, next_reply, score_in_threads, score_sample
 
 
 @dataclass
@@ -60,15 +59,14 @@ class Sample:
 
 
 def offline_filter(rows: list[dict], max_pass_rate: float | None) -> tuple[list[dict], int]:
-    """Drop prompts that a reference model already solves too often (difficulty holds that pass rate)."""
-    if max_pass_rate is None:
-        return rows, 0
-    kept = [r for r in rows if r["difficulty"] <= max_pass_rate]
+    """Drop prompts that a reference model already solves too often (recipe.data.schema.too_easy)."""
+    kept = [r for r in rows if not too_easy(r, max_pass_rate)]
     return kept, len(rows) - len(kept)
 
 
 class Orchestrator:
-    def __init__(self, rows: list[dict], tokenizer, rl_cfg, engine, seed: int, max_pass_rate: float | None = None):
+    def __init__(self, rows: list[dict], tokenizer, rl_cfg, engine: Engine, seed: int,
+                 max_pass_rate: float | None = None):
         self.cfg = rl_cfg
         self.engine = engine
         self.tokenizer = tokenizer
@@ -175,20 +173,19 @@ class Orchestrator:
         while len(self.ready) + keep * len(self.inflight) < want:
             self._submit_new_group()
 
-    def _handle(self, event) -> None:
+    def _handle(self, event: Event) -> None:
         t0 = time.perf_counter()
         self._on_event(event)  # scoring and tool turns: in the background loop, time spent beside the trainer
         self.loop_busy_s += time.perf_counter() - t0
 
-    def _on_event(self, event) -> None:
-        kind = event[0]
-        if kind == "done":
-            self.gen_busy_s += event[2]
-            for rid, completion in event[1]:
+    def _on_event(self, event: Event) -> None:
+        if isinstance(event, Done):
+            self.gen_busy_s += event.busy_s
+            for rid, completion in event.results:
                 gid, s = self.requests.pop(rid)
                 group = self.inflight[gid]
                 env = self.envs[group.row["env"]]
-                if getattr(env, "multi_turn", False):
+                if env.multi_turn:
                     t = group.transcripts.setdefault(s, Transcript())
                     t.add_model(completion)
                     reply = next_reply(env, self.tokenizer, t, group.row)
@@ -202,9 +199,9 @@ class Orchestrator:
                 if len(group.completions) == self.cfg.rollouts_per_example:
                     del self.inflight[gid]
                     self._score(group)
-        elif kind == "cancelled":  # too stale on the engine: reschedule the same samples
+        elif isinstance(event, Cancelled):  # too stale on the engine: reschedule the same samples
             by_group: dict[int, list[int]] = {}
-            for rid in event[1]:
+            for rid in event.request_ids:
                 gid, s = self.requests.pop(rid)
                 by_group.setdefault(gid, []).append(s)
             for gid, samples in by_group.items():
@@ -314,9 +311,8 @@ class Orchestrator:
             mean = sum(judged) / len(judged)
             for s in range(self.cfg.rollouts_per_example):
                 c = g.completions[s]
-                keep = 0 if g.masked[s] else 1
-                mask = c.extra.get("loss_mask", [1] * len(c.token_ids))  # 0 on environment (tool) tokens
-                samples.append(Sample(g.prompt_ids, c.token_ids, c.logprobs, [m * keep for m in mask],
+                keep = 0 if g.masked[s] else 1  # c.loss_mask: 0 on environment (tool) tokens
+                samples.append(Sample(g.prompt_ids, c.token_ids, c.logprobs, [m * keep for m in c.loss_mask],
                                       (g.rewards[s] - mean) * keep, g.rewards[s], c.policy_version, g.row["env"]))
         return samples
 

@@ -13,7 +13,9 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
+from recipe.config import OptimizerKind
 from recipe.rl.loss import completion_logprobs, masked_is_loss
 from recipe.runs import write_atomic
 
@@ -45,11 +47,9 @@ class CombinedOptimizer:
 
 
 def build_optimizer(model, rl_cfg):
-    if rl_cfg.optimizer == "adamw":
+    if rl_cfg.optimizer == OptimizerKind.adamw:
         return CombinedOptimizer([torch.optim.AdamW(model.parameters(), lr=rl_cfg.lr,
                                                     weight_decay=rl_cfg.weight_decay)])
-    if rl_cfg.optimizer != "muon":
-        raise ValueError(f"rl.optimizer must be 'adamw' or 'muon', got '{rl_cfg.optimizer}'")
     muon, adamw = [], []
     for name, p in model.named_parameters():
         hidden_matrix = p.ndim == 2 and "embed_tokens" not in name and "lm_head" not in name and ".gate." not in name
@@ -127,8 +127,6 @@ def train_step(model, optimizer, schedulers, accelerator, samples, rl_cfg, pad_i
 def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, schedulers, orchestrator_state: dict,
                     keep: int) -> Path:
     """Write everything needed to resume at `step` into a temporary folder, then rename it into place."""
-    from safetensors.torch import save_file
-
     final = ckpt_root / f"step_{step:06d}"
     tmp = ckpt_root / f".tmp_step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -155,8 +153,6 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path, model, optimizer, schedulers) -> tuple[int, dict]:
-    from safetensors.torch import load_file
-
     model.load_state_dict(load_file(path / "model.safetensors"))
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
     for sch, state in zip(schedulers, torch.load(path / "scheduler.pt", weights_only=False)):
@@ -169,8 +165,6 @@ def load_checkpoint(path: Path, model, optimizer, schedulers) -> tuple[int, dict
 
 def publish_weights(model, weights_dir: Path, version: int, keep: int = 3) -> Path:
     """Filesystem weight broadcast (as prime-rl's): one safetensors file a policy version, written atomically."""
-    from safetensors.torch import save_file
-
     weights_dir.mkdir(parents=True, exist_ok=True)
     path = weights_dir / f"policy_{version:06d}.safetensors"
     tmp = weights_dir / f".policy_{version:06d}.tmp"

@@ -9,7 +9,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from recipe.runs import StageError, stage_dir, stage_main, write_atomic
+from recipe.errors import StageError
+from recipe.eval.report import write_report
+from recipe.runs import provenance, stage_dir, stage_main, write_atomic
 from recipe.sandbox import Limits, backend, run_python
 
 PROGRAMS = 200
@@ -40,8 +42,6 @@ def bench(programs: int = PROGRAMS, workers: int = WORKERS) -> dict:
 
 @stage_main
 def main(cfg):
-    from recipe.runs import provenance
-
     started = time.time()
     out = bench()
     print(f"bench-sandbox: {out['programs']} programs in {out['seconds']:.2f} s with {out['workers']} workers: "
@@ -50,8 +50,6 @@ def main(cfg):
     out["command"] = f"make bench-sandbox PRESET={cfg.preset}" + (f' ARGS="{overrides}"' if overrides else "")
     out["provenance"] = provenance(cfg, "bench-sandbox", "", started, inputs={}, outputs={})
     write_atomic(stage_dir(cfg, "bench") / "sandbox.json", json.dumps(out, indent=2, sort_keys=True))
-    from recipe.eval.report import write_report
-
     print(f"bench-sandbox: wrote {write_report(cfg)}")
 
 

@@ -9,37 +9,34 @@ from __future__ import annotations
 
 import json
 import os
-import re
+import shutil
 from pathlib import Path
 
 import torch
+from datasets import Dataset
+from transformers import TrainerCallback
+from trl import SFTConfig, SFTTrainer
+from trl.data_utils import common_prefix_length
 
-from recipe.envs.tools import ASSISTANT, OBSERVATION
+from recipe.chat import ENV_REPLY, messages
 from recipe.runs import MetricsLog
 
-# The environment's reply inside a demonstration: from just after the model's <|observation|> stop token
-# through the <|assistant|>\n that hands the turn back; the text ToolsEnv.tool_reply writes.
-ENV_REPLY = re.compile(re.escape(OBSERVATION) + r"(\n<tool_response>.*?</tool_response>" + re.escape(ASSISTANT)
-                       + r"\n)", re.DOTALL)
 
+class MetricsCallback(TrainerCallback):
+    """Trainer logs -> metrics.jsonl (one process writes it)."""
 
-def _metrics_callback(metrics: MetricsLog):
-    from transformers import TrainerCallback
+    def __init__(self, metrics: MetricsLog):
+        self.metrics = metrics
 
-    class MetricsCallback(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            if logs and state.is_world_process_zero:
-                metrics.log({"step": state.global_step, **{k: v for k, v in logs.items()
-                                                            if isinstance(v, (int, float))}})
-
-    return MetricsCallback()
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and state.is_world_process_zero:
+            self.metrics.log({"step": state.global_step, **{k: v for k, v in logs.items()
+                                                             if isinstance(v, (int, float))}})
 
 
 def last_complete_checkpoint(ckpt_dir: Path) -> str | None:
     """Newest checkpoint-N with its trainer_state.json (written last); a checkpoint cut short by a kill is
     removed so that training resumes from the one before it."""
-    import shutil
-
     ckpts = sorted((p for p in ckpt_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
                    key=lambda p: int(p.name.split("-")[-1]), reverse=True)
     for p in ckpts:
@@ -51,8 +48,6 @@ def last_complete_checkpoint(ckpt_dir: Path) -> str | None:
 
 def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_cpu: bool) -> Path:
     """Train to train_cfg.max_steps, resuming from the newest checkpoint; returns the final model folder."""
-    from trl import SFTConfig, SFTTrainer
-
     torch.set_num_threads(train_cfg.threads)
     ckpt_dir = stage_dir / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -84,7 +79,7 @@ def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_
         disable_tqdm=False,
     )
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                         callbacks=[_metrics_callback(metrics)])
+                         callbacks=[MetricsCallback(metrics)])
     trainer.train(resume_from_checkpoint=last)
     out = stage_dir / "model"
     trainer.save_model(str(out))
@@ -102,8 +97,6 @@ def tokenize_chat_row(tokenizer, prompt: list[dict], completion: list[dict]) -> 
     text and tokenized on its own, as next_reply does in RL, and so is the model turn after it: the ids are
     those RL and eval see, and the reply's tokens get mask 0.
     """
-    from trl.data_utils import common_prefix_length
-
     prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
     text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
     # replies are looked for in the completion only: the prompt is the user's text
@@ -129,9 +122,5 @@ def chat_dataset(rows: list[dict], tokenizer):
     TRL builds the labels of a tokenized dataset from an `assistant_masks` column whatever SFTConfig says
     (SFTTrainer._prepare_dataset), then truncates and packs as for its own tokenization. A prompt/completion
     row could only mask the prompt, not the tool reply in the middle of the completion."""
-    from datasets import Dataset
-
-    def msgs(ms):
-        return [{"role": m["role"], "content": m["content"]} for m in ms]
-
-    return Dataset.from_list([tokenize_chat_row(tokenizer, msgs(r["prompt"]), msgs(r["completion"])) for r in rows])
+    return Dataset.from_list([tokenize_chat_row(tokenizer, messages(r["prompt"]), messages(r["completion"]))
+                              for r in rows])

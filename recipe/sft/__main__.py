@@ -3,31 +3,26 @@ from __future__ import annotations
 
 import torch
 
-from recipe.runs import Stage, require_done, stage_main
+from recipe.data.schema import read_split
+from recipe.model import load_pretrained
+from recipe.runs import Stage, stage_main
+from recipe.sft import chat_dataset, train_supervised
 
 
-def base_model_path(cfg) -> str:
-    return cfg.model.hub_id or str(require_done(cfg, "base") / "model")
+def sft_stage(stage: Stage, upstream: dict) -> dict:
+    cfg = stage.cfg
+    rows = read_split(upstream["data"], "sft")
+    # tiny: the model `make base` pretrained here; hub presets: the hub model at its pinned revision
+    base = cfg.model.hub_id or str(upstream["base"] / "model")
+    model, tokenizer = load_pretrained(base, cfg.model.revision, cfg.model.dtype, cfg.model.attn_implementation)
+    out = train_supervised(model, tokenizer, chat_dataset(rows, tokenizer), cfg.sft, stage.dir,
+                           use_cpu=not torch.cuda.is_available())
+    return {"inputs": {"sft_data": upstream["data"] / "sft.parquet"}, "outputs": {"model": out}}
 
 
 @stage_main
 def main(cfg):
-    from recipe.data.schema import read_split
-    from recipe.model import load_pretrained
-    from recipe.sft import chat_dataset, train_supervised
-
-    stage = Stage(cfg, "sft")
-    if stage.is_done():
-        print(f"sft: already done ({stage.dir}); nothing to do")
-        return
-    data_dir = require_done(cfg, "data")
-    rows = read_split(data_dir, "sft")
-    stage.begin()
-    model, tokenizer = load_pretrained(base_model_path(cfg), cfg.model.revision, cfg.model.dtype,
-                                       cfg.model.attn_implementation)
-    out = train_supervised(model, tokenizer, chat_dataset(rows, tokenizer), cfg.sft, stage.dir,
-                           use_cpu=not torch.cuda.is_available())
-    stage.finish(inputs={"sft_data": data_dir / "sft.parquet"}, outputs={"model": out})
+    Stage(cfg, "sft").run(sft_stage, requires=("data",) if cfg.model.hub_id else ("data", "base"))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,115 @@
+"""The rollout protocol every environment and engine shares: a prompt is sampled, a multi-turn environment
+replies to tool calls and the model goes on, and the finished sample is scored. Eval and RL both run it.
+
+- SamplingParams and Completion are what an engine takes and gives (recipe.inference.engine).
+- Transcript accumulates one sample's turns: model tokens (loss_mask 1) and environment tokens (loss_mask 0,
+  logprob 0). Its completion() is the sample the trainer and the eval runner see.
+- next_reply asks the environment for its reply to the last model turn; score_sample scores a finished sample
+  (masked, whatever its text, when a tool failed rather than the model).
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from recipe.chat import completion_text
+from recipe.envs.base import Environment, MaskSample, RewardResult
+
+
+@dataclass
+class SamplingParams:
+    max_new_tokens: int = 96
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[float]  # log-probability of each token under the sampling distribution (0 on env tokens)
+    finish_reason: str = "stop"  # stop | length
+    policy_version: int = 0  # the oldest policy that wrote any of its tokens
+    loss_mask: list[int] | None = None  # 1 = written by the model (trained), 0 = written by the environment
+    turns: int = 1  # model turns
+    mask_reason: str | None = None  # set when the sample cannot be judged (a tool failed): it is masked
+
+    def __post_init__(self):
+        if self.loss_mask is None:
+            self.loss_mask = [1] * len(self.token_ids)
+        if len(self.loss_mask) != len(self.token_ids) or len(self.logprobs) != len(self.token_ids):
+            raise ValueError(f"completion of {len(self.token_ids)} tokens has {len(self.logprobs)} logprobs and "
+                             f"a loss mask of {len(self.loss_mask)}")
+
+
+@dataclass
+class Transcript:
+    """One sample's turns so far."""
+
+    ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    loss_mask: list = field(default_factory=list)
+    turns: int = 0
+    last_turn: list = field(default_factory=list)
+    finish_reason: str = "stop"
+    policy_version: int | None = None
+    mask_reason: str | None = None
+
+    def add_model(self, completion: Completion) -> None:
+        self.ids += completion.token_ids
+        self.logprobs += completion.logprobs
+        self.loss_mask += [1] * len(completion.token_ids)
+        self.last_turn = list(completion.token_ids)
+        self.turns += 1
+        self.finish_reason = completion.finish_reason
+        v = completion.policy_version
+        self.policy_version = v if self.policy_version is None else min(self.policy_version, v)
+
+    def add_env(self, ids: list[int]) -> None:
+        self.ids += ids
+        self.logprobs += [0.0] * len(ids)
+        self.loss_mask += [0] * len(ids)
+
+    def completion(self) -> Completion:
+        return Completion(list(self.ids), list(self.logprobs), self.finish_reason, self.policy_version or 0,
+                          loss_mask=list(self.loss_mask), turns=self.turns, mask_reason=self.mask_reason)
+
+
+def next_reply(env: Environment, tokenizer, transcript: Transcript, row: dict) -> list[int] | None:
+    """Token ids of the environment's reply to the last model turn, or None when the sample is final."""
+    if not env.multi_turn or transcript.turns >= env.max_turns or transcript.finish_reason != "stop":
+        return None
+    try:
+        reply = env.tool_reply(completion_text(tokenizer, transcript.last_turn), row)
+    except MaskSample as e:  # the sample ends here, masked
+        transcript.mask_reason = str(e)
+        return None
+    return None if reply is None else tokenizer.encode(reply, add_special_tokens=False)
+
+
+def score_sample(env: Environment, text: str, row: dict, completion: Completion) -> RewardResult:
+    """env.score, except that a sample whose tool failed is masked whatever its text says."""
+    if completion.mask_reason:
+        return RewardResult(reward=0.0, masked=True, mask_reason=completion.mask_reason)
+    return env.score(text, row)
+
+
+SCORING_THREADS = 4  # sandbox runs wait on a child process: a few at once use both cores
+
+
+def score_in_threads(score_one, items: list, parallel=lambda item: True) -> list:
+    """[score_one(x) for x in items]; the items `parallel` picks (those of environments that run a sandboxed
+    process, e.g. code) several at a time, the rest in this thread (math-verify is pure Python)."""
+    out = [None] * len(items)
+    pooled = [i for i, x in enumerate(items) if parallel(x)]
+    if len(pooled) <= 1:
+        pooled = []
+    in_pool = set(pooled)
+    for i, x in enumerate(items):
+        if i not in in_pool:
+            out[i] = score_one(x)
+    if pooled:
+        with ThreadPoolExecutor(max_workers=min(SCORING_THREADS, len(pooled)), thread_name_prefix="score") as pool:
+            for i, res in zip(pooled, pool.map(score_one, [items[i] for i in pooled])):
+                out[i] = res
+    return out
