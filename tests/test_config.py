@@ -55,6 +55,13 @@ def test_overrides_apply():
     ("rl.optimizer=sgd", "rl.optimizer"),
     ("eval.samples=0", "eval.samples"),
     ("rl.env_mix.math=-1", "rl.env_mix"),
+])
+def test_bad_overrides_name_the_problem(override, named):
+    with pytest.raises(ConfigError, match=re.escape(named)):
+        load_config([override])
+
+
+@pytest.mark.parametrize("override,named", [
     ("eval.benchmarks=[{name:nope}]", "eval.benchmarks[0].name='nope'"),
     ("eval.benchmarks=[{name:aime24,samples:0}]", "eval.benchmarks[0].samples"),
     ("eval.benchmarks=[{name:aime24,pass_k:[64]}]", "eval.benchmarks[0].pass_k"),
@@ -62,9 +69,12 @@ def test_overrides_apply():
     ("eval.benchmarks=[{name:lcb_v6,contest_date_to:'May 2025'}]", "eval.benchmarks[0].contest_date_to"),
     ("eval.benchmarks=[{name:hle},{name:hle}]", "listed twice"),
 ])
-def test_bad_overrides_name_the_problem(override, named):
+def test_bad_benchmark_entries_name_the_problem(override, named):
+    """Checked against the benchmark registry by the stages that run or plan benchmarks (eval, plan)."""
+    from recipe.eval.benchmarks import validate_benchmarks
+
     with pytest.raises(ConfigError, match=re.escape(named)):
-        load_config([override])
+        validate_benchmarks(load_config([override]).eval)
 
 
 def test_cli_prints_one_line_error_and_exit_2(tmp_path):

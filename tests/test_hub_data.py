@@ -267,7 +267,9 @@ def test_silent_hub_fails_within_the_timeout(hub_at):
 def test_a_hanging_lookup_is_cut_at_the_timeout(hub_at, monkeypatch):
     # DNS resolution ignores socket timeouts: the probe's own deadline must still hold
     release = threading.Event()
-    monkeypatch.setattr(hub, "_ask", lambda url, timeout, outcome: release.wait(60))
+    import recipe.hub
+
+    monkeypatch.setattr(recipe.hub, "_ask", lambda url, timeout, outcome: release.wait(60))
     fake = hub_at("http://hub.invalid")
     try:
         elapsed = assert_fails_fast(data_cfg(hub_timeout_s=0.5), "no answer within 0.5s", "INTELLECT-3-RL@4567ef01")

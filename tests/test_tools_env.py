@@ -290,13 +290,13 @@ PY_CALL = call("python", code="print(37*48)")
 
 @pytest.fixture
 def broken_sandbox(monkeypatch):
-    import recipe.sandbox as sandbox
+    import recipe.envs.tools as tools
     from recipe.sandbox import RunResult
 
     def down(code, stdin, limits):
         return RunResult("sandbox_error", None, "", "", False, 0.0, "bwrap: cannot create namespace")
 
-    monkeypatch.setattr(sandbox, "run_python", down)
+    monkeypatch.setattr(tools, "run_python", down)
 
 
 def test_a_broken_sandbox_in_the_python_tool_masks_the_sample_in_eval(tmp_path, broken_sandbox):
