@@ -158,7 +158,7 @@ def sbatch_script(cfg, plan: dict, overrides: list[str]) -> str:
         'MAIN_PROCESS_IP="${TRAINER_NODES[0]}"',
         'export MAIN_PROCESS_IP',
         'echo "trainer: ${TRAINER_NODES[*]}"; echo "policy: ${POLICY_NODES[*]}"; echo "judge: ${JUDGE_NODES[*]:-}"',
-        "# The judge (an LLM verifier in RECIPE.md) has no server in this recipe yet: its nodes are held idle.",
+        "# The judge (an LLM verifier, docs/recipe.md) has no server in this recipe yet: its nodes are held idle.",
         "",
         "# One vLLM server a node: tensor parallel inside it, data parallel across nodes.",
         *[f"export {k}={q(v)}" for k, v in sorted(env.items())],

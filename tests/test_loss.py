@@ -1,4 +1,4 @@
-"""The RL loss of RECIPE.md, checked against values computed by hand."""
+"""The RL loss of docs/recipe.md, checked against values computed by hand."""
 import math
 
 import torch
