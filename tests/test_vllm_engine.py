@@ -1,5 +1,7 @@
-"""The vllm engine: request/response handling and process control against a fake server (runs everywhere), and
-one test against a real vLLM server on a tiny model (only where vllm is installed)."""
+"""The vllm engine: request/response handling, retries and process control against a fake server (runs
+everywhere), and one test against a real vLLM server on a tiny model (only where vllm is installed)."""
+import collections
+import importlib
 import importlib.util
 import json
 import math
@@ -14,11 +16,12 @@ from urllib.parse import urlparse
 
 import pytest
 
-from recipe.inference import SamplingParams
-from recipe.inference.vllm import (EXTENSION_CLS, RELOAD_METHOD, VLLMEngine, WeightLoaderExtension,
+from recipe.inference.engine import Cancelled, Done, Request
+from recipe.inference.vllm import (EXTENSION_CLS, RELOAD_METHOD, REPO_ROOT, VLLMEngine, WeightLoaderExtension,
                                    checkpoint_format, completion_body, parse_completion, read_stop_ids,
                                    server_command, server_env)
-from recipe.inference.engine import Request
+from recipe.inference.vllm import server as vllm_server
+from recipe.rollout import SamplingParams
 
 # A /v1/completions response as vLLM writes it for a token-id prompt with logprobs=0,
 # return_tokens_as_token_ids=true and skip_special_tokens=false; the sequence ended on <|endoftext|> (id 0).
@@ -75,6 +78,7 @@ def test_parse_recorded_response():
     assert c.token_ids == [8, 52, 44, 53, 62, 55, 9, 55, 0]
     assert c.logprobs == RECORDED["choices"][0]["logprobs"]["token_logprobs"]
     assert c.finish_reason == "stop" and c.policy_version == 3
+    assert c.loss_mask == [1] * 9 and c.turns == 1 and c.mask_reason is None  # all of it written by the model
 
 
 def test_parse_rejects_what_the_trainer_cannot_use():
@@ -120,6 +124,8 @@ def test_server_command_pins_flags():
     assert flag(cmd, "--logprobs-mode") == "processed_logprobs"  # logprobs after temperature
     assert flag(cmd, "--generation-config") == "vllm"
     assert flag(cmd, "--worker-extension-cls") == EXTENSION_CLS
+    module, name = EXTENSION_CLS.rsplit(".", 1)  # what vLLM's workers import
+    assert getattr(importlib.import_module(module), name) is WeightLoaderExtension
     assert cmd[-2:] == ["--max-model-len", "4096"]  # extra args last
 
 
@@ -134,8 +140,7 @@ def test_server_command_from_composed_config(cfg_factory):
 def test_server_env():
     env = server_env({"PYTHONPATH": "/x"}, cuda=False)
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["VLLM_CPU_KVCACHE_SPACE"] == "1"
-    from recipe.inference.vllm import REPO_ROOT
-
+    assert (REPO_ROOT / "recipe" / "inference" / "vllm" / "worker_ext.py").is_file()  # the repository's root
     assert env["PYTHONPATH"].split(":") == [str(REPO_ROOT), "/x"]
     assert "VLLM_CPU_KVCACHE_SPACE" not in server_env({}, cuda=True)
     assert server_env({"VLLM_CPU_KVCACHE_SPACE": "4"}, cuda=False)["VLLM_CPU_KVCACHE_SPACE"] == "4"
@@ -213,12 +218,15 @@ class FakeVLLM:
     """/health, /v1/completions, /collective_rpc and /reset_prefix_cache, as vLLM answers them.
 
     A completion is [100 + number of weight reloads so far, last prompt token + 1, STOP], cut at max_tokens.
-    Clearing `gate` holds completions until it is set again.
+    Clearing `gate` holds completions until it is set again. `hits` counts the calls to each path;
+    `failures[path]` lists HTTP codes to answer that path with, one call each, before answering as vLLM would.
     """
 
     def __init__(self):
         self.bodies, self.rpcs, self.resets = [], [], []
         self.reloads = 0
+        self.hits = collections.Counter()
+        self.failures: dict[str, list[int]] = {}
         self.gate = threading.Event()
         self.gate.set()
         fake = self
@@ -235,12 +243,24 @@ class FakeVLLM:
                 self.end_headers()
                 self.wfile.write(data)
 
+            def injected_failure(self, path):
+                fake.hits[path] += 1
+                codes = fake.failures.get(path)
+                if codes:
+                    code = codes.pop(0)
+                    self.reply(code, {"object": "error", "code": code, "message": f"injected\nfailure {code}"})
+                    return True
+                return False
+
             def do_GET(self):
-                self.reply(200 if self.path == "/health" else 404)
+                if not self.injected_failure(self.path):
+                    self.reply(200 if self.path == "/health" else 404)
 
             def do_POST(self):
                 url = urlparse(self.path)
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                if self.injected_failure(url.path):
+                    return
                 if url.path == "/v1/completions":
                     fake.bodies.append(body)
                     if any(t < 0 for t in body["prompt"]):
@@ -300,12 +320,12 @@ def collect(engine, n_done, n_cancelled=0, timeout=20.0):
         ev = engine.poll(timeout=1.0)
         if ev is None:
             continue
-        if ev[0] == "done":
-            done.update(ev[1])
-            busy += ev[2]
+        if isinstance(ev, Done):
+            done.update(ev.results)
+            busy += ev.busy_s
         else:
-            assert ev[0] == "cancelled"
-            cancelled.extend(ev[1])
+            assert isinstance(ev, Cancelled), ev
+            cancelled.extend(ev.request_ids)
     return done, sorted(cancelled), busy
 
 
@@ -406,9 +426,141 @@ def test_default_stop_ids_are_hf_engines(fake, tmp_path):
 
 
 def test_no_server_at_base_url_is_a_clear_error(tmp_path):
+    t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="not healthy"):
         VLLMEngine(tmp_path, make_cfg(), launch=False, base_url=f"http://127.0.0.1:{free_port()}",
                    startup_timeout=1.0, stop_ids=[])
+    assert time.monotonic() - t0 < 5.0  # the startup deadline bounds the health polls
+
+
+def test_events_waiting_together_are_merged_into_one_of_each(fake, tmp_path):
+    eng = connect(fake, tmp_path, gen_batch_size=4, max_off_policy_steps=0)
+    try:
+        eng.policy_version = 1
+        params = SamplingParams(max_new_tokens=3, seed=0)
+        eng.submit([Request(i, [i + 1], params, 1 if i % 2 else 0) for i in range(6)])  # even ids are stale
+        wait_for(lambda: eng._events.qsize() == 6)
+        done = eng.poll(timeout=1.0)
+        assert isinstance(done, Done) and sorted(rid for rid, _ in done.results) == [1, 3, 5]
+        assert done.busy_s > 0 and all(c.policy_version == 1 for _, c in done.results)
+        cancelled = eng.poll(timeout=1.0)
+        assert isinstance(cancelled, Cancelled) and sorted(cancelled.request_ids) == [0, 2, 4]
+        assert eng.poll(timeout=0.1) is None
+        assert sorted(b["prompt"][0] for b in fake.bodies) == [2, 4, 6]  # the stale ones were never sent
+    finally:
+        eng.close()
+
+
+# -- retries ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def fast_retries(monkeypatch):
+    """Retries as configured, with short waits: RETRY_TRIES calls, the first wait 0.05 s."""
+    monkeypatch.setattr(vllm_server, "RETRY_TRIES", 3)
+    monkeypatch.setattr(vllm_server, "RETRY_BASE_DELAY_S", 0.05)
+    monkeypatch.setattr(vllm_server, "HEALTH_BASE_DELAY_S", 0.05)
+    return 3
+
+
+def test_admin_calls_are_retried_through_503s(fake, tmp_path, fast_retries, capsys):
+    eng = connect(fake, tmp_path)
+    try:
+        fake.failures = {"/collective_rpc": [503, 503], "/reset_prefix_cache": [502]}
+        eng.update_weights(tmp_path / "policy_000001.safetensors", 1)
+        assert fake.hits["/collective_rpc"] == 3 and fake.reloads == 1  # two 503s, then the reload
+        assert fake.hits["/reset_prefix_cache"] == 2 and fake.resets == ["reset_running_requests=true"]
+        assert eng.policy_version == 1
+        assert capsys.readouterr().err.count("trying again") == 3  # each retry is noted
+    finally:
+        eng.close()
+
+
+def test_admin_call_4xx_fails_at_once_with_one_line(fake, tmp_path, fast_retries):
+    eng = connect(fake, tmp_path)
+    try:
+        fake.failures = {"/collective_rpc": [404]}
+        with pytest.raises(RuntimeError) as err:
+            eng.update_weights(tmp_path / "policy_000001.safetensors", 1)
+        msg = str(err.value)
+        assert "\n" not in msg and "/collective_rpc" in msg and "HTTP 404" in msg and "injected failure" in msg
+        assert fake.hits["/collective_rpc"] == 1 and fake.reloads == 0  # not retried
+        assert eng.policy_version == 0 and fake.resets == []
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("how", ["503", "down"])
+def test_admin_call_gives_up_after_the_configured_tries(fake, tmp_path, fast_retries, how):
+    eng = connect(fake, tmp_path)
+    try:
+        if how == "503":
+            fake.failures = {"/collective_rpc": [503] * 10}
+        else:
+            fake.close()  # nothing listens on the port any more
+        t0 = time.monotonic()
+        with pytest.raises(vllm_server.Unavailable) as err:
+            eng.update_weights(tmp_path / "policy_000001.safetensors", 1)
+        elapsed = time.monotonic() - t0
+        assert 0.05 + 0.1 <= elapsed < 5.0  # waited 0.05 s, then 0.1 s, between the 3 calls; no more
+        msg = str(err.value)
+        assert "\n" not in msg and "/collective_rpc" in msg and f"after {fast_retries} tries" in msg
+        if how == "503":
+            assert fake.hits["/collective_rpc"] == fast_retries and "HTTP 503" in msg
+        assert eng.policy_version == 0
+    finally:
+        eng.close()
+
+
+def test_completion_requests_are_not_retried(fake, tmp_path, fast_retries):
+    eng = connect(fake, tmp_path)
+    try:
+        fake.failures = {"/v1/completions": [503]}
+        with pytest.raises(RuntimeError, match="HTTP 503"):
+            eng.generate([[1]], SamplingParams())
+        assert fake.hits["/v1/completions"] == 1  # sent once: a repeat could sample it twice
+        eng.submit([Request(0, [1], SamplingParams(), 0)])
+        fake.failures = {"/v1/completions": [500]}
+        with pytest.raises(RuntimeError, match="request 0: .*HTTP 500"):
+            collect(eng, 1)
+        assert fake.hits["/v1/completions"] == 2
+    finally:
+        eng.close()
+
+
+def test_health_at_startup_waits_through_503_but_not_404(fake, tmp_path, fast_retries):
+    fake.failures = {"/health": [503, 503]}
+    eng = connect(fake, tmp_path)
+    eng.close()
+    assert fake.hits["/health"] == 3
+    fake.failures = {"/health": [404]}
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="GET /health.*HTTP 404"):
+        connect(fake, tmp_path)
+    assert time.monotonic() - t0 < 2.0 and fake.hits["/health"] == 4  # not a vLLM server: no waiting
+
+
+BLOCK_VLLM = """
+import importlib.abc, sys
+class NoVLLM(importlib.abc.MetaPathFinder):  # as if vllm were not installed, even where it is
+    def find_spec(self, name, path=None, target=None):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ImportError("vllm is blocked")
+sys.meta_path.insert(0, NoVLLM())
+import recipe.inference.vllm
+from recipe.inference.vllm import client, server, worker_ext
+from recipe.inference.vllm import VLLMEngine, WeightLoaderExtension, server_command
+with worker_ext._redo_cpu_expert_packing(None):
+    pass
+assert not any(m == "vllm" or m.startswith("vllm.") for m in sys.modules), sorted(sys.modules)
+print("ok")
+"""
+
+
+def test_package_imports_without_vllm():
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", BLOCK_VLLM], capture_output=True, text=True, timeout=120,
+                         cwd=str(REPO_ROOT))
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
 # -- the server process, with a stand-in for `vllm serve` --------------------------------------------------
@@ -501,8 +653,6 @@ if sys.argv[1] == "kill":
 @pytest.mark.parametrize("how", ["exit", "kill"])
 def test_server_does_not_outlive_its_parent(tmp_path, how):
     import subprocess
-
-    from recipe.inference.vllm import REPO_ROOT
 
     port = free_port()
     script = PARENT.format(root=str(REPO_ROOT), port=port, tmp=str(tmp_path), cmd=stand_in(port, tmp_path))

@@ -1,0 +1,340 @@
+"""VLLMEngine: the Engine contract (recipe.inference.engine) over HTTP to one vLLM server or several.
+
+    submit([Request]) ; poll(timeout) -> Done | Cancelled | None ; update_weights(path, version) ;
+    policy_version ; close() ; and generate(prompts, params) -> [Completion] for the eval runner.
+
+It starts its own server (server.ServerProcess) or, with launch=False, speaks to servers already running (the
+SLURM launcher's, one per inference node): requests go round-robin, weight updates go to every one. Requests
+are sent from a pool of daemon threads, at most rl.gen_batch_size at a time. Only the standard library speaks
+HTTP (server.request).
+
+What the requests rely on in vLLM 0.32 (read in vllm-project/vllm):
+- POST /v1/completions accepts `prompt` as a list of token ids. With `logprobs` set (0 will do: the sampled
+  token's own logprob always comes; serving_completion only checks `request.logprobs is not None`) and
+  `return_tokens_as_token_ids`, choices[0].logprobs.tokens are "token_id:N" strings and token_logprobs their
+  logprobs; the stop token that ended a sequence is among them, as in HFEngine. `top_k: -1` means no top-k.
+- POST /collective_rpc ({"method", "args", "kwargs", "timeout"} -> {"results": [one per worker]};
+  vllm/entrypoints/serve/rpc/api_router.py) runs worker_ext.WeightLoaderExtension's RELOAD_METHOD on every
+  worker.
+- POST /reset_prefix_cache?reset_running_requests=true (vllm/entrypoints/serve/cache/api_router.py). Without the
+  flag the scheduler's reset does nothing while any request holds KV blocks (SchedulerInterface docstring), which
+  in asynchronous RL is always; with it, running requests are preempted and recomputed on the new weights.
+
+The admin calls (the weight reload, the prefix-cache reset) are retried with backoff when the server is
+unreachable or answers 5xx (server.retry: RETRY_TRIES calls, RETRY_BASE_DELAY_S doubling); reloading the same
+file twice is harmless. An HTTP 4xx is raised at once. Completion requests are sent once: a repeat could sample
+the same request twice.
+"""
+from __future__ import annotations
+
+import atexit
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from pathlib import Path
+
+from recipe.chat import stop_token_ids
+from recipe.inference.engine import Cancelled, Done, Event, Request
+from recipe.inference.vllm.server import (SERVED_MODEL_NAME, ServerProcess, TimedOut, Unavailable, read_stop_ids,
+                                          request, retry, server_command, wait_healthy)
+from recipe.inference.vllm.worker_ext import RELOAD_METHOD
+from recipe.rollout import Completion, SamplingParams
+
+LOGPROBS = 0  # top alternatives per token; the sampled token's own logprob comes regardless
+TOKEN_PREFIX = "token_id:"
+CONNECT_TIMEOUT_S = 60.0  # launch=False: how long servers already started get to answer /health
+
+
+# -- requests and responses -------------------------------------------------------------------------------
+def completion_body(prompt_ids, params: SamplingParams, stop_ids=(), seed: int | None = None) -> dict:
+    return {
+        "model": SERVED_MODEL_NAME,
+        "prompt": [int(t) for t in prompt_ids],
+        "max_tokens": int(params.max_new_tokens),
+        "temperature": float(params.temperature),
+        "top_p": float(params.top_p),
+        "top_k": -1,
+        "seed": int(params.seed if seed is None else seed),
+        "n": 1,
+        "logprobs": LOGPROBS,
+        "return_tokens_as_token_ids": True,
+        "skip_special_tokens": False,
+        "stop_token_ids": [int(t) for t in stop_ids],
+    }
+
+
+def parse_completion(response: dict, policy_version: int = 0) -> Completion:
+    choices = response.get("choices") or []
+    if len(choices) != 1:
+        raise ValueError(f"expected one choice in the completion response, got {len(choices)}")
+    choice = choices[0]
+    lp = choice.get("logprobs")
+    if not lp or lp.get("tokens") is None or lp.get("token_logprobs") is None:
+        raise ValueError("the completion response has no logprobs (was `logprobs` sent?)")
+    tokens, logprobs = lp["tokens"], lp["token_logprobs"]
+    if len(tokens) != len(logprobs):
+        raise ValueError(f"{len(tokens)} tokens but {len(logprobs)} logprobs in the completion response")
+    ids = []
+    for tok in tokens:
+        if not isinstance(tok, str) or not tok.startswith(TOKEN_PREFIX):
+            raise ValueError(f"completion token {tok!r} is not '{TOKEN_PREFIX}N' "
+                             "(was `return_tokens_as_token_ids` sent?)")
+        ids.append(int(tok[len(TOKEN_PREFIX):]))
+    if any(v is None for v in logprobs):
+        raise ValueError("the completion response lacks the logprob of a sampled token")
+    reason = choice.get("finish_reason")
+    if reason not in ("stop", "length"):
+        raise ValueError(f"unexpected finish_reason {reason!r} in the completion response")
+    return Completion(token_ids=ids, logprobs=[float(v) for v in logprobs], finish_reason=reason,
+                      policy_version=policy_version)
+
+
+# -- the engine -------------------------------------------------------------------------------------------
+class VLLMEngine:
+    """A vLLM server child process (or, with launch=False, the servers already running at base_url)."""
+
+    def __init__(self, model_path, cfg, version: int = 0, *, log_path=None, launch: bool = True,
+                 base_url: str | None = None, host: str = "127.0.0.1", port: int | None = None,
+                 stop_ids: list[int] | None = None, startup_timeout: float = 1200.0,
+                 request_timeout: float = 3600.0, rpc_timeout: float = 1800.0, command: list[str] | None = None):
+        self.model_path = str(model_path)
+        rl = cfg.rl
+        self.max_off_policy_steps = int(rl.max_off_policy_steps)
+        self.policy_version = int(version)
+        self._tokenizer = None
+        self.stop_ids = list(self._default_stop_ids() if stop_ids is None else stop_ids)
+        self.request_timeout = request_timeout
+        self.rpc_timeout = rpc_timeout
+        port = int(rl.vllm_port if port is None else port)
+        # launch=False may name several servers, comma-separated (as the SLURM launcher passes them)
+        self.base_urls = [u.strip().rstrip("/") for u in (base_url or f"http://{host}:{port}").split(",") if u.strip()]
+        self.base_url = self.base_urls[0]
+        self._next_server = itertools.count()
+        self._events: queue.Queue = queue.Queue()  # Done, Cancelled, or an exception for poll() to raise
+        self._stash: deque = deque()
+        self._pool = _DaemonPool(rl.gen_batch_size)
+        self._lock = threading.Lock()
+        self._inflight, self._busy_mark, self._busy_total, self._busy_reported = 0, 0.0, 0.0, 0.0
+        self._closed = False
+        self.server: ServerProcess | None = None
+        self.log_path = Path(log_path) if log_path else Path(cfg.run_root) / cfg.preset / "vllm_server.log"
+        atexit.register(self.close)
+        try:
+            if launch:
+                cmd = command or server_command(self.model_path, cfg, host=host, port=port)
+                self.server = ServerProcess(cmd, host, port, self.log_path)
+                wait_healthy(self.base_urls, startup_timeout, self.server)
+            else:
+                wait_healthy(self.base_urls, min(startup_timeout, CONNECT_TIMEOUT_S))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def proc(self):
+        """The server's subprocess.Popen, or None when the engine did not start it."""
+        return None if self.server is None else self.server.proc
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the server: SIGTERM to its process group, wait, then SIGKILL. Also run at interpreter exit."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        self._pool.shutdown()
+        if self.server is not None:
+            self.server.stop(timeout)
+
+    def _check_alive(self) -> None:
+        if self.server is not None and not self._closed:
+            self.server.check_alive()
+
+    # -- HTTP ---------------------------------------------------------------------------------------------
+    def _complete(self, prompt_ids, params: SamplingParams, seed: int) -> Completion:
+        """One completion request, sent once (never retried)."""
+        url = self.base_urls[next(self._next_server) % len(self.base_urls)]
+        try:
+            response = request(url, "/v1/completions", completion_body(prompt_ids, params, self.stop_ids, seed),
+                               timeout=self.request_timeout)
+        except (Unavailable, TimedOut):
+            self._check_alive()  # a server that died says so, with its log
+            raise
+        return parse_completion(response, policy_version=self.policy_version)  # the version when it arrived
+
+    def _admin(self, url: str, path: str, body: dict | None = None):
+        """An admin call, retried with backoff while the server is unreachable or answers 5xx."""
+        def call():
+            self._check_alive()  # no retries on a server that has exited
+            return request(url, path, body, timeout=self.rpc_timeout)
+
+        return retry(call)
+
+    # -- synchronous generation (eval) --------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
+        """One completion per prompt, all requests in flight together; seeds params.seed + i, so repeated
+        prompts (k samples of a problem) get different samples."""
+        futures = [self._pool.submit(self._complete, p, params, params.seed + i) for i, p in enumerate(prompts)]
+        return [f.result() for f in futures]
+
+    def _default_stop_ids(self) -> list[int]:
+        """HFEngine's stop tokens (recipe.chat.stop_token_ids of the folder's tokenizer); without a tokenizer
+        in the folder, the eos ids of its generation config."""
+        try:
+            return stop_token_ids(self.tokenizer)
+        except (OSError, ValueError, ImportError):
+            return read_stop_ids(self.model_path)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer  # here: importing the engine (the launch plan does) stays light
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return self._tokenizer
+
+    # -- asynchronous client (RL) -------------------------------------------------------------------------
+    def submit(self, requests: list[Request]) -> None:
+        for r in requests:
+            self._pool.submit(self._run_request, r)
+
+    def _busy_step(self, delta_inflight: int) -> float:
+        """Track wall time with at least one request in flight; returns the part not yet reported."""
+        with self._lock:
+            now = time.perf_counter()
+            if self._inflight > 0:
+                self._busy_total += now - self._busy_mark
+            self._busy_mark = now
+            self._inflight += delta_inflight
+            out = self._busy_total - self._busy_reported
+            self._busy_reported = self._busy_total
+            return out
+
+    def _run_request(self, r: Request) -> None:
+        if self._closed:
+            return
+        # sent only now (at most gen_batch_size requests are in flight): a request that waited past
+        # max_off_policy_steps policy versions goes back to the orchestrator to be rescheduled
+        if self.policy_version - r.submitted_version > self.max_off_policy_steps:
+            self._events.put(Cancelled([r.id]))
+            return
+        busy = self._busy_step(+1)
+        try:
+            completion = self._complete(r.prompt_ids, r.params, r.params.seed)
+        except Exception as e:
+            self._busy_step(-1)
+            if not self._closed:
+                self._events.put(RuntimeError(f"vllm engine failed: request {r.id}: {e}"))
+            return
+        busy += self._busy_step(-1)
+        self._events.put(Done([(r.id, completion)], busy))
+
+    def poll(self, timeout: float | None = None) -> Event | None:
+        """The next event, or None after timeout. Events waiting together are merged into at most one Done and
+        one Cancelled (the second is handed out by the next call). A failed request or a dead server raises."""
+        if self._stash:
+            return self._stash.popleft()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = 1.0 if deadline is None else max(0.0, min(1.0, deadline - time.monotonic()))
+            try:
+                events = [self._events.get(timeout=wait)]
+                break
+            except queue.Empty:
+                self._check_alive()
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+        while True:
+            try:
+                events.append(self._events.get_nowait())
+            except queue.Empty:
+                break
+        results, cancelled, busy = [], [], 0.0
+        for ev in events:
+            if isinstance(ev, BaseException):
+                raise ev
+            if isinstance(ev, Done):
+                results.extend(ev.results)
+                busy += ev.busy_s
+            else:
+                cancelled.extend(ev.request_ids)
+        out = ([Done(results, busy)] if results else []) + ([Cancelled(cancelled)] if cancelled else [])
+        self._stash.extend(out[1:])
+        return out[0]
+
+    def update_weights(self, path, version: int) -> None:
+        """Load the trainer's safetensors state dict at `path` into every server, then drop their prefix caches.
+
+        Requests in flight keep running and finish on the new weights (INTELLECT-3 / prime-rl do the same; the
+        token-level importance ratio corrects for it); completions arriving from now on carry `version`.
+        """
+        path = str(Path(path).resolve())
+        for url in self.base_urls:  # the weights file is on a shared filesystem for multi-node runs
+            out = self._admin(url, "/collective_rpc", {"method": RELOAD_METHOD, "args": [path]})
+            results = (out or {}).get("results")
+            if not results or not all(isinstance(x, dict) and x.get("tensors", 0) > 0 for x in results):
+                raise RuntimeError(f"vllm: weight reload from {path} on {url} returned {out!r}")
+            # KV blocks computed with the old weights must not be reused, including those of running requests
+            self._admin(url, "/reset_prefix_cache?reset_running_requests=true")
+        self.policy_version = int(version)
+
+
+class _DaemonPool:
+    """A fixed-size pool of daemon threads returning concurrent.futures.Future objects.
+
+    Not ThreadPoolExecutor: its threads are joined at interpreter exit *before* atexit handlers run, so
+    requests blocked on a live server would hold the exit up until they finished, and the server would only
+    be stopped after. Daemon threads let the atexit handler stop the server at once.
+    """
+
+    def __init__(self, size: int):
+        self.size = max(1, int(size))
+        self.q: queue.Queue = queue.Queue()
+        self.threads: list[threading.Thread] = []
+        self.idle = 0
+        self.lock = threading.Lock()
+        self.closed = False
+
+    def submit(self, fn, *args) -> Future:
+        fut: Future = Future()
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("vllm engine is closed")
+            self.q.put((fut, fn, args))
+            # a thread for every queued item no idle thread is waiting to take, up to `size`
+            if len(self.threads) < self.size and self.q.qsize() > self.idle:
+                t = threading.Thread(target=self._loop, daemon=True, name=f"vllm-client-{len(self.threads)}")
+                self.threads.append(t)
+                t.start()
+        return fut
+
+    def _loop(self):
+        while True:
+            with self.lock:
+                self.idle += 1
+            item = self.q.get()
+            with self.lock:
+                self.idle -= 1
+            if item is None:
+                return
+            fut, fn, args = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:  # handed to whoever waits on the future
+                    fut.set_exception(e)
+
+    def shutdown(self):
+        with self.lock:
+            self.closed = True
+            while True:
+                try:
+                    item = self.q.get_nowait()
+                except queue.Empty:
+                    break
+                if item is not None:
+                    item[0].cancel()
+            for _ in self.threads:
+                self.q.put(None)
