@@ -80,6 +80,9 @@ def test_report_twice_on_the_same_runs_writes_the_same_bytes(tmp_path):
     filtered = sum(r["filtered_groups"] for r in metrics)
     assert f"RL (120 steps, mean ".encode() in first and f"{filtered} groups filtered out".encode() in first
     assert (tmp_path / "runs" / "results" / "tiny_curves.png").read_bytes() == png
+    # and the bytes a refactor must keep: tests/data/runs_min_RESULTS.md is this report as the code wrote it;
+    # a change to the report's text is a change to that file too, made on purpose
+    assert first.decode() == (src.parent / "runs_min_RESULTS.md").read_text()
 
 
 def test_report_shows_the_sandbox_throughput_that_bench_sandbox_wrote(tmp_path):
