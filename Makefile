@@ -9,12 +9,13 @@ STAMP := $(VENV)/.installed
 RUN := $(PY) -m
 OVERRIDES := preset=$(PRESET) $(ARGS)
 
-.PHONY: all setup data base sft rl eval report test bench-rl bench-sandbox plan lock clean help
+.PHONY: all setup data base sft rl eval report test test-fast bench-rl bench-sandbox plan lock clean help
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make all      data, base, sft, rl, eval on PRESET=$(PRESET), then RESULTS.md"
 	@echo "make test     unit tests and the end-to-end tiny pipeline"
+	@echo "make test-fast  unit tests only (not the slow end-to-end ones)"
 	@echo "stages: data base sft rl eval report; bench-rl bench-sandbox; plan (SLURM dry run); setup; clean"
 
 all: data base sft rl eval
@@ -55,6 +56,9 @@ bench-sandbox: setup
 
 test: setup
 	$(PY) -m pytest -q -x tests
+
+test-fast: setup
+	$(PY) -m pytest -q -x -m "not slow" tests
 
 # Re-resolve the lock from pyproject.toml in a scratch venv (needs the package registry).
 lock:

@@ -9,11 +9,159 @@ from recipe.config import CONFIG_DIR, ConfigError, load_config
 PRESETS = sorted(p.stem for p in (CONFIG_DIR / "preset").glob("*.yaml"))
 
 
-def test_every_config_file_is_used_by_some_preset_or_parsed():
+# -- every file of the config tree is used, and composes -------------------------------------------------
+NOT_HYDRA = {"accelerate"}  # folders under configs/ that are not hydra groups (accelerate's own files)
+OVERRIDE_ONLY: set[str] = set()  # group files no preset selects, kept for `group=name` overrides ("rl/name")
+
+
+def hydra_groups(config_dir: Path) -> list[str]:
+    """The groups configs/config.yaml composes (its defaults list), in order."""
+    return [next(iter(d)) for d in defaults(config_dir / "config.yaml") if isinstance(d, dict)]
+
+
+def defaults(path: Path) -> list:
     import yaml
 
-    for f in CONFIG_DIR.rglob("*.yaml"):
-        assert yaml.safe_load(f.read_text()) is not None, f
+    return yaml.safe_load(path.read_text()).get("defaults", [])
+
+
+def group_files(config_dir: Path) -> list[tuple[str, str]]:
+    return sorted((g, f.stem) for g in hydra_groups(config_dir) for f in (config_dir / g).glob("*.yaml"))
+
+
+def preset_choices(config_dir: Path, preset: str) -> dict:
+    """group -> file name that a preset selects: config.yaml's default unless the preset overrides it."""
+    choices = {next(iter(d)): next(iter(d.values())) for d in defaults(config_dir / "config.yaml")
+               if isinstance(d, dict)}
+    for d in defaults(config_dir / "preset" / f"{preset}.yaml"):
+        key, value = next(iter(d.items()))
+        choices[key.removeprefix("override ").strip("/")] = value
+    choices["preset"] = preset
+    return choices
+
+
+def unreachable(config_dir: Path, override_only: set[str]) -> list[str]:
+    """Config files nothing selects: group files in no preset and not override-only, and folders that are
+    neither a hydra group nor known to be something else."""
+    used = {f"{g}/{n}" for p in (config_dir / "preset").glob("*.yaml")
+            for g, n in preset_choices(config_dir, p.stem).items()}
+    stray = [f"{g}/{n}" for g, n in group_files(config_dir) if f"{g}/{n}" not in used | override_only]
+    folders = [f"{d.name}/" for d in sorted(config_dir.iterdir())
+               if d.is_dir() and d.name not in set(hydra_groups(config_dir)) | NOT_HYDRA]
+    return stray + folders
+
+
+def assert_within(expected, actual, where: str) -> None:
+    """Every value a config file sets is in the composed config (which also has the schema's defaults)."""
+    if isinstance(expected, dict):
+        for k, v in expected.items():
+            assert k in actual, f"{where}.{k} is missing from the composed config"
+            assert_within(v, actual[k], f"{where}.{k}")
+    elif isinstance(expected, list):
+        assert len(expected) == len(actual), f"{where}: {len(expected)} items in the file, {len(actual)} composed"
+        for i, (e, a) in enumerate(zip(expected, actual)):
+            assert_within(e, a, f"{where}[{i}]")
+    else:
+        assert expected == actual, f"{where}: the file says {expected!r}, the composed config {actual!r}"
+
+
+def assert_file_composed(cfg, group: str, name: str) -> None:
+    from omegaconf import OmegaConf
+
+    expected = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / group / f"{name}.yaml"), resolve=True)
+    assert_within(expected, OmegaConf.to_container(cfg[group], resolve=True), group)
+
+
+@pytest.mark.parametrize("group,name", [gn for gn in group_files(CONFIG_DIR) if gn[0] != "preset"],
+                         ids=lambda x: x)
+def test_every_group_file_composes_into_the_schema_when_selected(group, name):
+    cfg = load_config([f"{group}={name}"])  # over the default preset: the choice on the command line wins
+    assert_file_composed(cfg, group, name)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_a_preset_composes_every_file_it_selects(preset):
+    cfg = load_config([f"preset={preset}"])
+    for group, name in preset_choices(CONFIG_DIR, preset).items():
+        if group != "preset":
+            assert_file_composed(cfg, group, name)
+
+
+def test_every_group_file_is_selected_by_a_preset_or_listed_as_override_only():
+    assert hydra_groups(CONFIG_DIR) == ["model", "data", "base", "sft", "rl", "eval", "launcher", "preset"]
+    assert unreachable(CONFIG_DIR, OVERRIDE_ONLY) == []
+    assert all((CONFIG_DIR / f"{f}.yaml").exists() for f in OVERRIDE_ONLY), "a stale OVERRIDE_ONLY entry"
+
+
+def test_the_config_tree_checks_catch_a_stray_file_a_stray_folder_and_an_unknown_key(tmp_path, monkeypatch):
+    import shutil
+
+    import recipe.config
+
+    tree = tmp_path / "configs"
+    shutil.copytree(CONFIG_DIR, tree)
+    (tree / "rl" / "broken.yaml").write_text("max_steps: 3\nmax_stepz: 4\n")
+    (tree / "extras").mkdir()
+    assert unreachable(tree, OVERRIDE_ONLY) == ["rl/broken", "extras/"]
+    assert unreachable(tree, OVERRIDE_ONLY | {"rl/broken"}) == ["extras/"]
+    monkeypatch.setattr(recipe.config, "CONFIG_DIR", tree)
+    assert load_config(["rl=tiny"]).rl.max_steps == 120  # the copy composes as the original does
+    with pytest.raises(ConfigError, match="max_stepz"):
+        load_config(["rl=broken"])
+
+
+# -- accelerate's files ------------------------------------------------------------------------------------
+ACCELERATE = sorted((CONFIG_DIR / "accelerate").glob("*.yaml"))
+
+
+def accelerate_config(path: Path):
+    """Parse a file as `accelerate launch --config_file` does (accelerate's own config class, which rejects
+    unknown keys), and check every fsdp_config key against the launch option it becomes."""
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.commands.launch import launch_command_parser
+
+    cfg = load_config_from_file(str(path))
+    options = {a.dest for a in launch_command_parser()._actions}
+    # accelerate launch sets each fsdp_config key k as the option k, or fsdp_k when k lacks "fsdp"
+    unknown = [k for k in cfg.fsdp_config if (k if "fsdp" in k else f"fsdp_{k}") not in options]
+    if unknown:
+        raise ValueError(f"{path}: fsdp_config has key(s) accelerate launch does not take: {unknown}")
+    return cfg
+
+
+@pytest.mark.parametrize("path", ACCELERATE, ids=lambda p: p.name)
+def test_accelerate_configs_parse_into_accelerates_config_class(path):
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.utils import DistributedType
+
+    cfg = accelerate_config(path)
+    assert isinstance(cfg, ClusterConfig)
+    if cfg.distributed_type == DistributedType.FSDP:
+        assert cfg.fsdp_config.get("fsdp_version") == 2  # FSDP2, as recipe/rl/trainer.py says
+        assert cfg.num_processes % cfg.num_machines == 0
+
+
+def test_every_accelerate_config_is_used_by_a_launcher_and_every_launcher_config_exists():
+    from omegaconf import OmegaConf
+
+    used = {OmegaConf.load(f).accelerate_config for f in (CONFIG_DIR / "launcher").glob("*.yaml")} - {None}
+    root = CONFIG_DIR.parent
+    assert all((root / u).exists() for u in used), used
+    assert {(root / u).resolve() for u in used} == {p.resolve() for p in ACCELERATE}
+
+
+def test_the_accelerate_check_catches_unknown_keys(tmp_path):
+    assert ACCELERATE
+    text = ACCELERATE[0].read_text()
+    top = tmp_path / "top.yaml"
+    top.write_text(text + "num_gpus_per_node: 8\n")
+    with pytest.raises(ValueError, match="num_gpus_per_node"):
+        accelerate_config(top)
+    nested = tmp_path / "nested.yaml"
+    nested.write_text(text.replace("fsdp_config:\n", "fsdp_config:\n  fsdp_shard_everything: true\n"))
+    assert "fsdp_shard_everything" in nested.read_text()
+    with pytest.raises(ValueError, match="fsdp_shard_everything"):
+        accelerate_config(nested)
 
 
 @pytest.mark.parametrize("preset", PRESETS)

@@ -57,7 +57,7 @@ def test_greedy_equals_transformers_generate(engine):
         assert out.token_ids == ref[:n]
 
 
-def test_same_seed_same_samples_and_batching_does_not_change_a_row(engine):
+def test_same_seed_same_samples_different_seed_different_samples(engine):
     ps = prompts(engine)
     params = SamplingParams(max_new_tokens=12, temperature=1.0, seed=11)
     a = engine.generate(ps, params)

@@ -1,4 +1,7 @@
+"""The orchestrator through its public API (constructor, next_batch, state_dict/load_state_dict, start/close,
+counters and the in_flight_groups / ready_groups counts), driven by scripted engines."""
 import json
+import time
 
 import pytest
 
@@ -25,6 +28,18 @@ def answer_by_index(correct_samples):
     return fn
 
 
+def problem(sample) -> str:
+    """The question a sample answers ("Q7")."""
+    return "".join(map(chr, sample.prompt_ids)).split("<user>")[1].split("<")[0]
+
+
+def wait_until(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def test_advantages_are_reward_minus_group_mean_and_flat_groups_are_dropped():
     # even problems: 1 of 4 correct; odd problems: all correct (no signal: dropped)
     eng = ScriptedEngine(answer_by_index(lambda i: {0} if i % 2 == 0 else {0, 1, 2, 3}))
@@ -42,35 +57,57 @@ def test_sync_level_submits_nothing_ahead_async_level_keeps_next_batch_in_flight
     asyn = Orchestrator(math_rows(), CharTokenizer(), rl_cfg(max_async_level=1), async_eng, seed=0)
     sync.next_batch(0)
     asyn.next_batch(0)
-    assert len(sync.inflight) + len(sync.ready) == 0 and not sync_eng.pending
-    assert len(asyn.inflight) + len(asyn.ready) == 2 and len(async_eng.pending) == 2 * 4
+    assert sync.in_flight_groups + sync.ready_groups == 0 and not sync_eng.pending
+    assert asyn.in_flight_groups + asyn.ready_groups == 2 and len(async_eng.pending) == 2 * 4
 
 
 def test_groups_older_than_max_async_level_are_dropped_as_stale():
     fn = answer_by_index(lambda i: {0})
     eng = ScriptedEngine(fn, batch=4)
     orch = Orchestrator(math_rows(), CharTokenizer(), rl_cfg(max_async_level=1), eng, seed=0)
-    orch.next_batch(0)  # leaves a batch in flight
-    while eng.pending:  # the engine writes it with version 0 while the trainer works
-        orch._on_event(eng.poll())
-    assert len(orch.ready) == 2
-    eng.update_weights(None, 2)  # two trainer steps later
-    samples, stats = orch.next_batch(3)  # needs version >= 2: the in-flight version-0 groups are stale
-    assert stats["stale_groups"] == 2
+    orch.start()
+    try:
+        orch.next_batch(0)  # leaves the next batch in flight
+        wait_until(lambda: orch.ready_groups == 2)  # the engine writes it with version 0 while the trainer works
+        assert orch.in_flight_groups == 0
+        eng.update_weights(None, 2)  # two trainer steps later
+        samples, stats = orch.next_batch(3)  # needs version >= 2: the ready version-0 groups are stale
+    finally:
+        orch.close()
+    assert stats["stale_groups"] == 2 and orch.counters["groups_stale"] == 2
     assert all(s.policy_version >= 2 for s in samples)
     assert stats["staleness"] == {1: 8}
 
 
+class CancelFirstSubmit(ScriptedEngine):
+    """Hands the first submitted requests back as Cancelled (too stale), as the engine process does."""
+
+    def __init__(self, answer_fn):
+        super().__init__(answer_fn)
+        self.cancelled, self.log = [], []
+
+    def submit(self, requests):
+        self.log.extend(requests)
+        if not self.cancelled:
+            self.cancelled = list(requests)
+            self.events.append(Cancelled([r.id for r in requests]))
+            return
+        super().submit(requests)
+
+
 def test_cancelled_requests_are_rescheduled():
-    fn = answer_by_index(lambda i: {0})
-    eng = ScriptedEngine(fn)
+    eng = CancelFirstSubmit(answer_by_index(lambda i: {0}))
     orch = Orchestrator(math_rows(), CharTokenizer(), rl_cfg(max_async_level=0), eng, seed=0)
-    orch._top_up(1)
-    first = list(eng.pending)
-    eng.pending = []
-    eng.events.append(Cancelled([r.id for r in first]))
     samples, stats = orch.next_batch(0)
+    assert len(eng.cancelled) == 4
     assert stats["cancelled_requests"] == 4 and len(samples) == 8
+    # the same samples (prompt and sampling seed) went back to the engine under new request ids
+    again = [r for r in eng.log[len(eng.cancelled):] if r.params.seed in {c.params.seed for c in eng.cancelled}]
+    assert sorted((r.params.seed, tuple(r.prompt_ids)) for r in again) == \
+        sorted((r.params.seed, tuple(r.prompt_ids)) for r in eng.cancelled)
+    assert not {r.id for r in again} & {r.id for r in eng.cancelled}
+    cancelled_problem = "".join(map(chr, eng.cancelled[0].prompt_ids)).split("<user>")[1].split("<")[0]
+    assert sum(problem(s) == cancelled_problem for s in samples) == 4  # its group made it into the batch
 
 
 def test_env_mix_offline_filter_and_unknown_env():
@@ -78,6 +115,8 @@ def test_env_mix_offline_filter_and_unknown_env():
     kept, dropped = offline_filter(rows, 0.874)
     assert dropped == 10 and all(r["difficulty"] <= 0.874 for r in kept)
     assert offline_filter(rows, None) == (rows, 0)
+    orch = Orchestrator(rows, CharTokenizer(), rl_cfg(), ScriptedEngine(lambda p, r: ""), seed=0, max_pass_rate=0.874)
+    assert orch.offline_dropped == 10
     with pytest.raises(ValueError, match="logic"):
         Orchestrator(math_rows(), CharTokenizer(), rl_cfg(env_mix={"math": 0.5, "logic": 0.5}),
                      ScriptedEngine(lambda p, r: ""), seed=0)
@@ -85,23 +124,37 @@ def test_env_mix_offline_filter_and_unknown_env():
 
 def test_state_round_trip_resumes_the_same_prompt_stream():
     fn = answer_by_index(lambda i: {0})
-    a = Orchestrator(math_rows(), CharTokenizer(), rl_cfg(), ScriptedEngine(fn), seed=5)
-    for _ in range(7):
-        a._next_row()
+
+    def make():  # synchronous: nothing is in flight between batches, so the state is all there is
+        return Orchestrator(math_rows(), CharTokenizer(), rl_cfg(max_async_level=0), ScriptedEngine(fn), seed=5)
+
+    def stream(orch, batches):  # the problems of the next batches (the engine stays at version 0: step 0)
+        return [problem(s) for _ in range(batches) for s in orch.next_batch(0)[0][::4]]
+
+    a = make()
+    stream(a, 4)
+    assert a.in_flight_groups == 0 and a.ready_groups == 0
     state = json.loads(json.dumps(a.state_dict()))
-    b = Orchestrator(math_rows(), CharTokenizer(), rl_cfg(), ScriptedEngine(fn), seed=5)
+    b = make()
     b.load_state_dict(state)
-    assert [a._next_row()["id"] for _ in range(30)] == [b._next_row()["id"] for _ in range(30)]
+    assert b.counters == a.counters
+    later = 10  # 20 more prompts after the first 8: past the end of the first epoch over the 20 rows
+    rest_a = stream(a, later)
+    assert stream(b, later) == rest_a
+    assert stream(make(), later) != rest_a  # without the state, the stream would start over
 
 
 def test_more_groups_are_kept_in_flight_when_many_come_back_filtered():
-    eng = ScriptedEngine(answer_by_index(lambda i: {0}))
-    orch = Orchestrator(math_rows(), CharTokenizer(), rl_cfg(max_async_level=0), eng, seed=0)
-    orch._top_up(2)
-    assert len(orch.inflight) == 2
-    orch.filter_rate = 0.5  # half the recent groups had no signal
-    orch._top_up(2)
-    assert len(orch.inflight) == 4
+    with_signal = ScriptedEngine(answer_by_index(lambda i: {0}), batch=4)
+    # three problems in four are answered right by every sample: their groups carry no signal
+    mostly_flat = ScriptedEngine(answer_by_index(lambda i: {0} if i % 4 == 0 else {0, 1, 2, 3}), batch=4)
+    a = Orchestrator(math_rows(), CharTokenizer(), rl_cfg(max_async_level=1), with_signal, seed=0)
+    b = Orchestrator(math_rows(), CharTokenizer(), rl_cfg(max_async_level=1), mostly_flat, seed=0)
+    _, stats_a = a.next_batch(0)
+    _, stats_b = b.next_batch(0)
+    assert stats_a["filtered_groups"] == 0 and stats_b["filtered_groups"] >= 2
+    assert a.in_flight_groups == 2  # exactly the next batch
+    assert b.in_flight_groups > 2  # more, since some of them will come back filtered
 
 
 def test_masked_samples_leave_the_loss_and_the_group_mean(monkeypatch):

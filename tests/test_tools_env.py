@@ -160,51 +160,86 @@ def test_orchestrator_multi_turn_samples_mask_environment_tokens():
         assert s.loss_mask == [1] * len(s.completion_ids) and s.advantage == -0.5
 
 
+class NewPolicyEachPoll(ScriptedEngine):
+    """Each round of generation is written by a newer policy: first turns by version 0, continuations by 1."""
+
+    def poll(self, timeout=None):
+        event = super().poll(timeout)
+        if event is not None:
+            self.policy_version += 1
+        return event
+
+
 def test_orchestrator_policy_version_is_the_oldest_turn():
-    eng = ScriptedEngine(tool_answers)
-    orch = Orchestrator(tool_rows(), CharTokenizer(), rl_cfg(max_async_level=2), eng, seed=0)
-    orch._top_up(1)
-    orch._on_event(eng.poll())  # first turns, written by version 0
-    eng.update_weights(None, 1)
-    while eng.pending:  # second turns written by version 1
-        orch._on_event(eng.poll())
-    g = orch.ready[0]
-    versions = {s: c.policy_version for s, c in g.completions.items()}
-    assert set(versions.values()) == {0} and g.version == 0
+    eng = NewPolicyEachPoll(tool_answers)
+    orch = Orchestrator(tool_rows(), CharTokenizer(), rl_cfg(max_async_level=0), eng, seed=0)
+    samples, stats = orch.next_batch(0)
+    assert eng.policy_version == 2  # two rounds: the first turns (version 0), then the continuations (version 1)
+    tool = [s for s in samples if s.reward == 1]
+    assert len(tool) == 4
+    for s in tool:
+        check_tool_sample(s)
+        assert s.policy_version == 0  # its second turn was written by version 1
+    assert stats["staleness"] == {0: 8}
+
+
+class CancelEachContinuationOnce(ScriptedEngine):
+    """Hands every tool continuation back as Cancelled the first time it is submitted."""
+
+    def __init__(self, answer_fn):
+        super().__init__(answer_fn)
+        self.cancelled, self.resubmitted = [], []
+
+    def submit(self, requests):
+        for r in requests:
+            if "<tool_response>" not in "".join(map(chr, r.prompt_ids)):
+                super().submit([r])
+            elif r.params.seed in {c.params.seed for c in self.cancelled}:
+                self.resubmitted.append(r)
+                super().submit([r])
+            else:
+                self.cancelled.append(r)
+                self.events.append(Cancelled([r.id]))
 
 
 def test_a_cancelled_later_turn_resubmits_its_continuation():
-    eng = ScriptedEngine(tool_answers)
+    eng = CancelEachContinuationOnce(tool_answers)
     orch = Orchestrator(tool_rows(), CharTokenizer(), rl_cfg(max_async_level=0), eng, seed=0)
-    orch._top_up(1)
-    orch._on_event(eng.poll())  # first turns done: the tool callers' continuations are now pending
-    conts = list(eng.pending)
-    assert len(conts) == 2 and all("<tool_response>" in "".join(map(chr, r.prompt_ids)) for r in conts)
-    eng.pending = []
-    orch._on_event(Cancelled([r.id for r in conts]))
-    assert [r.prompt_ids for r in eng.pending] == [r.prompt_ids for r in conts]
-    while eng.pending:
-        orch._on_event(eng.poll())
-    g = orch.ready[0]
-    for s in range(4):
-        text = "".join(map(chr, g.completions[s].token_ids))
+    samples, stats = orch.next_batch(0)
+    assert len(eng.cancelled) == 4 and stats["cancelled_requests"] == 4
+    # each continuation went back with its transcript so far (first turn and tool reply), not the bare prompt
+    assert sorted((r.params.seed, r.prompt_ids) for r in eng.resubmitted) == \
+        sorted((r.params.seed, r.prompt_ids) for r in eng.cancelled)
+    assert all("".join(map(chr, r.prompt_ids)).endswith(CALL + REPLY) for r in eng.resubmitted)
+    for s in samples:
+        text = "".join(map(chr, s.completion_ids))
         assert text in (CALL + REPLY + FINAL, "<think></think>12")
+        if s.reward == 1:
+            check_tool_sample(s)
+
+
+LOOP = call("calculator", expression="1+1")
 
 
 def test_orchestrator_enforces_max_turns():
-    eng = ScriptedEngine(lambda p, rid: CALL)
-    orch = Orchestrator(tool_rows(), CharTokenizer(), rl_cfg(max_async_level=0), eng, seed=0)
-    orch._top_up(1)
-    for _ in range(20):
-        if not eng.pending:
-            break
-        orch._on_event(eng.poll())
-    assert not orch.inflight and len(orch._last_filtered) == 1  # all 4 ran out of turns: reward 0, flat
-    g = orch._last_filtered[0]
+    def answers(prompt, rid):
+        if LOOP in prompt:  # sample 0 calls the calculator at every turn, never answering
+            return LOOP
+        if "<tool_response>" in prompt:
+            return FINAL
+        return {0: LOOP, 1: CALL, 2: "<think></think>12", 3: "<think></think>12"}[rid % 4]
+
+    orch = Orchestrator(tool_rows(), CharTokenizer(), rl_cfg(max_async_level=0), ScriptedEngine(answers), seed=0)
+    samples, stats = orch.next_batch(0)
     max_turns = get_env("tools").max_turns
-    for c in g.completions.values():
-        assert "".join(map(chr, c.token_ids)).count("<tool_response>") == max_turns - 1
-        assert c.turns == max_turns
+    looping = [s for s in samples if "".join(map(chr, s.completion_ids)).startswith(LOOP)]
+    assert len(looping) == 2
+    for s in looping:  # ended after max_turns model turns: the last call gets no reply
+        text = "".join(map(chr, s.completion_ids))
+        assert text.count(LOOP) == max_turns and text.count("<tool_response>") == max_turns - 1
+        assert text.endswith(LOOP) and s.reward == 0
+        assert s.loss_mask.count(0) == (max_turns - 1) * len(get_env("tools").tool_reply(LOOP, {}))
+    assert stats["tool_calls"] == 2 * (max_turns - 1) + 2  # the loops' calls, and one call by each sample 1
 
 
 def test_environment_tokens_do_not_change_the_trainer_loss():
@@ -340,11 +375,10 @@ def test_background_loop_runs_tool_turns_and_scores_while_the_trainer_works():
         # the trainer now works on step 0; nobody calls next_batch, yet the next batch's groups finish both
         # of their turns and are scored
         deadline = time.monotonic() + 10
-        while len(orch.ready) < 2 and time.monotonic() < deadline:
+        while orch.ready_groups < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
-        with orch._cv:
-            assert len(orch.ready) == 2 and not orch.inflight
-            assert all(len(g.rewards) == 4 for g in orch.ready)
+        assert orch.ready_groups == 2 and orch.in_flight_groups == 0  # ready: both turns done, and scored
+        assert orch.running
         eng.update_weights(None, 1)
         samples, stats = orch.next_batch(1)
         assert len(samples) == 8 and stats["tool_calls"] >= 4
@@ -353,7 +387,7 @@ def test_background_loop_runs_tool_turns_and_scores_while_the_trainer_works():
                 check_tool_sample(s)
     finally:
         orch.close()
-    assert orch._thread is None
+    assert not orch.running
 
 
 def test_background_loop_at_sync_level_submits_nothing_ahead():
@@ -365,9 +399,8 @@ def test_background_loop_at_sync_level_submits_nothing_ahead():
     try:
         orch.next_batch(0)
         time.sleep(0.3)
-        with orch._cv:
-            assert eng.submitted == 2 * (4 + 2)  # two groups: 4 first turns and 2 tool continuations each
-            assert not orch.inflight and not orch.ready
+        assert eng.submitted == 2 * (4 + 2)  # two groups: 4 first turns and 2 tool continuations each
+        assert orch.in_flight_groups == 0 and orch.ready_groups == 0
     finally:
         orch.close()
 

@@ -232,6 +232,24 @@ class Orchestrator:
             return
         self.ready.append(group)
 
+    # -- what is under way (read by tests and monitoring) -----------------------------------------------
+    @property
+    def in_flight_groups(self) -> int:
+        """Groups submitted to the engine whose samples are not all finished and scored yet."""
+        with self._cv:
+            return len(self.inflight)
+
+    @property
+    def ready_groups(self) -> int:
+        """Scored groups with signal, waiting to be taken into a batch."""
+        with self._cv:
+            return len(self.ready)
+
+    @property
+    def running(self) -> bool:
+        """Whether the background event loop (start()) is running."""
+        return self._thread is not None and self._thread.is_alive()
+
     # -- the background event loop ----------------------------------------------------------------------
     def start(self) -> None:
         """Run the event loop in a thread; next_batch then only waits for scored groups."""

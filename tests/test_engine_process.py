@@ -1,0 +1,216 @@
+"""HFEngineProcess: the hf engine in a spawned process, spoken to through the Engine contract.
+
+One engine process serves most tests (spawning one costs seconds); each test first sends it the weights and
+the policy version it starts from. Two sets of weights: the tiny model's own (v0 below) and the same model
+with its output head zeroed (v1), under which every logit is 0, so greedy decoding writes token 0 (a stop
+token) at once with logprob -log(vocab): completions show which weights wrote them.
+"""
+import math
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from recipe.chat import stop_token_ids
+from recipe.config import TinyArch
+from recipe.inference.engine import Cancelled, Done, Request
+from recipe.inference.hf import HFEngine
+from recipe.inference.worker import HFEngineProcess
+from recipe.model import build_tiny_model, build_tokenizer
+from recipe.rollout import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+GREEDY = SamplingParams(max_new_tokens=6, temperature=0.0, seed=0)
+MAX_OFF_POLICY = 1
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """A tiny model and tokenizer saved as a model folder, with the two weight files (v0, v1) beside it."""
+    root = tmp_path_factory.mktemp("engine_process")
+    tok = build_tokenizer([f"{a}+{b}={a + b}" for a in range(20) for b in range(20)], vocab_size=128)
+    arch = TinyArch(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, n_routed_experts=4,
+                    max_position_embeddings=128)
+    model = build_tiny_model(arch, tok, seed=0)
+    model.save_pretrained(root / "model")
+    tok.save_pretrained(root / "model")
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    save_file(state, root / "v0.safetensors")
+    state["lm_head.weight"] = torch.zeros_like(state["lm_head.weight"])
+    save_file(state, root / "v1.safetensors")
+    assert stop_token_ids(tok)[0] == 0  # what greedy decoding under v1 writes
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """The same model in this process, for the completions v0 must give."""
+    return HFEngine.from_pretrained(str(model_dir / "model"), batch_size=2)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    eng = HFEngineProcess(str(model_dir / "model"), threads=1, batch_size=2, max_off_policy_steps=MAX_OFF_POLICY,
+                          start_timeout=120)
+    yield eng
+    eng.close()
+    assert not eng.proc.is_alive()
+
+
+def prompts(reference, n):
+    return [reference.tokenizer(f"{a}+{b}=")["input_ids"] for a, b in [(1, 2), (12, 3), (7, 19), (3, 3)][:n]]
+
+
+def collect(engine, ids, timeout=60.0):
+    """Poll until every request id came back, done or cancelled: (events, {id: completion}, cancelled ids)."""
+    events, done, cancelled = [], {}, []
+    deadline = time.monotonic() + timeout
+    while set(done) | set(cancelled) != set(ids):
+        assert time.monotonic() < deadline, f"engine answered {sorted(done)} and cancelled {cancelled} of {ids}"
+        event = engine.poll(timeout=1.0)
+        if event is None:
+            continue
+        events.append(event)
+        if isinstance(event, Done):
+            for rid, c in event.results:
+                assert rid not in done and rid not in cancelled, f"request {rid} came back twice"
+                done[rid] = c
+        else:
+            cancelled += event.request_ids
+    return events, done, cancelled
+
+
+def written_by_v1(completion, vocab):
+    return completion.token_ids == [0] and completion.logprobs == pytest.approx([-math.log(vocab)], abs=1e-5)
+
+
+def test_submit_and_poll_return_one_completion_per_request_tagged_with_the_version(engine, model_dir, reference):
+    engine.update_weights(model_dir / "v0.safetensors", 0)
+    ps = prompts(reference, 3)
+    engine.submit([Request(i, p, GREEDY, 0) for i, p in enumerate(ps)])
+    events, done, cancelled = collect(engine, [0, 1, 2])
+    assert not cancelled and sorted(done) == [0, 1, 2]
+    assert all(isinstance(e, Done) and e.busy_s > 0 and len(e.results) <= 2 for e in events)  # batches of 2
+    # the engine writes what the model does: the process takes requests first in, first out, two at a time
+    expected = reference.generate(ps[:2], GREEDY) + reference.generate(ps[2:], GREEDY)
+    for i, c in done.items():
+        assert c.policy_version == 0
+        assert c.token_ids == expected[i].token_ids
+        assert c.logprobs == pytest.approx(expected[i].logprobs, abs=1e-4)
+    assert not any(written_by_v1(c, len(reference.tokenizer)) for c in done.values())
+
+
+def test_requests_older_than_max_off_policy_steps_are_cancelled_not_generated(engine, model_dir, reference):
+    engine.update_weights(model_dir / "v0.safetensors", 5)
+    assert engine.policy_version == 5
+    p = prompts(reference, 1)[0]
+    # submitted under versions 3, 4, 5 and 2: those more than MAX_OFF_POLICY=1 versions behind 5 are too stale
+    engine.submit([Request(10, p, GREEDY, 3), Request(11, p, GREEDY, 4), Request(12, p, GREEDY, 5),
+                   Request(13, p, GREEDY, 2)])
+    events, done, cancelled = collect(engine, [10, 11, 12, 13])
+    assert sorted(cancelled) == [10, 13] and sorted(done) == [11, 12]
+    assert isinstance(events[0], Cancelled)  # dropped before anything was generated
+    assert all(c.policy_version == 5 for c in done.values())
+
+
+def test_weights_are_swapped_between_batches_and_completions_carry_the_version_that_wrote_them(
+        engine, model_dir, reference):
+    vocab = len(reference.tokenizer)
+    ps = prompts(reference, 4)
+    expected_v0 = {tuple(p): c.token_ids for p, c in zip(ps, reference.generate(ps, GREEDY))}
+    engine.update_weights(model_dir / "v0.safetensors", 0)
+    engine.submit([Request(20 + i, p, GREEDY, 0) for i, p in enumerate(ps[:2])])
+    _, before, _ = collect(engine, [20, 21])
+    engine.update_weights(model_dir / "v1.safetensors", 1)
+    assert engine.policy_version == 1
+    engine.submit([Request(30 + i, p, GREEDY, 1) for i, p in enumerate(ps[:2])])
+    _, after, _ = collect(engine, [30, 31])
+    for i, c in before.items():  # finished before the update: version 0, the model's own greedy tokens
+        assert c.policy_version == 0 and c.token_ids == expected_v0[tuple(ps[i - 20])]
+    for c in after.values():  # submitted after it: version 1, the zeroed head's tokens
+        assert c.policy_version == 1 and written_by_v1(c, vocab)
+
+    # an update sent while requests wait: each batch is written by one set of weights and says which
+    engine.update_weights(model_dir / "v0.safetensors", 0)
+    ids = list(range(40, 46))
+    engine.submit([Request(rid, ps[rid % 4], GREEDY, 0) for rid in ids])  # three batches of two
+    engine.update_weights(model_dir / "v1.safetensors", 1)
+    engine.submit([Request(46, ps[0], GREEDY, 1), Request(47, ps[1], GREEDY, 1)])
+    events, done, cancelled = collect(engine, ids + [46, 47])
+    assert not cancelled  # one version behind is within max_off_policy_steps
+    for e in events:
+        assert len({c.policy_version for _, c in e.results}) == 1, "a batch mixed two policies"
+    for rid, c in done.items():
+        if c.policy_version == 0:
+            assert c.token_ids == expected_v0[tuple(ps[rid % 4])]
+        else:
+            assert c.policy_version == 1 and written_by_v1(c, vocab)
+    assert done[46].policy_version == done[47].policy_version == 1
+
+
+PARENT = """
+import sys, time
+from recipe.inference.worker import HFEngineProcess
+engine = HFEngineProcess(sys.argv[1], threads=1, batch_size=2, start_timeout=120)
+print(engine.proc.pid, flush=True)
+time.sleep(300)
+"""
+
+
+def alive(pid: int) -> bool:
+    """Running, not gone nor a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux only")
+def test_the_engine_process_dies_with_its_parent_even_on_kill_9(model_dir):
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(model_dir / "model")], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    child = None
+    try:
+        line = []
+        reader = threading.Thread(target=lambda: line.append(parent.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(timeout=120)
+        if not (line and line[0].strip().isdigit()):
+            parent.kill()
+            pytest.fail(f"the parent printed no engine pid ({line}): {parent.communicate(timeout=10)[1][-3000:]}")
+        child = int(line[0])
+        assert alive(child)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while alive(child) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(child), "the engine process outlived its parent"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        parent.wait()
+        if child is not None and alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def test_an_engine_without_its_model_fails_to_start_naming_the_path(tmp_path, engine):
+    missing = tmp_path / "no_such_model"
+    before = {p.pid for p in mp.active_children()}  # the module's engine
+    with pytest.raises(RuntimeError, match="hf engine process failed") as err:
+        HFEngineProcess(str(missing), start_timeout=120)
+    assert str(missing) in str(err.value)
+    deadline = time.monotonic() + 10  # and the failed process is gone, not left behind
+    while {p.pid for p in mp.active_children()} - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not {p.pid for p in mp.active_children()} - before
