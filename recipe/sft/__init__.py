@@ -10,15 +10,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
+import zipfile
 from pathlib import Path
 
 import torch
 from datasets import Dataset
-from transformers import TrainerCallback
+from transformers import PreTrainedModel, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 from trl.data_utils import common_prefix_length
 
 from recipe.chat import ENV_REPLY, messages
+from recipe.errors import StageError
 from recipe.runs import MetricsLog
 
 
@@ -34,16 +37,106 @@ class MetricsCallback(TrainerCallback):
                                                              if isinstance(v, (int, float))}})
 
 
+def checkpoint_problem(ckpt: Path) -> str | None:
+    """Why a checkpoint folder cannot be resumed from, or None when it is intact.
+
+    Checked from sizes and headers, not by loading: a safetensors file must be exactly as long as its header says
+    (8-byte length, JSON header, then the data its offsets end at), a torch.save file (optimizer.pt, scheduler.pt,
+    rng_state.pth, training_args.bin) must open as a zip, whose central directory sits at the very end of the file,
+    and trainer_state.json must parse. That catches every truncated or missing file, which is what a kill, a full
+    disk or a lost page cache leaves, and costs a few reads however large the model; loading the optimizer state
+    here would read it twice (the Trainer loads it again). A file torn in the middle with its length intact is not
+    caught."""
+    try:
+        json.loads((ckpt / "trainer_state.json").read_text())["global_step"]
+    except FileNotFoundError:
+        return "trainer_state.json is missing (the save was cut short)"
+    except (ValueError, KeyError) as e:
+        return f"trainer_state.json does not parse ({e})"
+    weights = sorted(ckpt.glob("*.safetensors"))
+    if not weights:
+        return "no model weights (*.safetensors)"
+    index = ckpt / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            missing = set(json.loads(index.read_text())["weight_map"].values()) - {p.name for p in weights}
+        except (ValueError, KeyError) as e:
+            return f"{index.name} does not parse ({e})"
+        if missing:
+            return f"weight shard {sorted(missing)[0]} is missing"
+    for name in ("optimizer.pt", "scheduler.pt"):  # the Trainer would silently start both afresh without them
+        if not (ckpt / name).exists():
+            return f"{name} is missing"
+    for p in weights:
+        try:
+            with open(p, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+        except (struct.error, ValueError, KeyError, TypeError) as e:
+            return f"{p.name} has no readable header ({e.__class__.__name__})"
+        if p.stat().st_size != 8 + n + end:
+            return f"{p.name} is {p.stat().st_size} bytes, its header says {8 + n + end}"
+    for p in sorted([*ckpt.glob("*.pt"), *ckpt.glob("*.pth"), *ckpt.glob("*.bin")]):
+        try:
+            zipfile.ZipFile(p).close()
+        except (zipfile.BadZipFile, OSError) as e:
+            return f"{p.name} is not a complete torch.save file ({e})"
+    return None
+
+
 def last_complete_checkpoint(ckpt_dir: Path) -> str | None:
-    """Newest checkpoint-N with its trainer_state.json (written last); a checkpoint cut short by a kill is
-    removed so that training resumes from the one before it."""
+    """Newest intact checkpoint-N (see checkpoint_problem). A newer one that is not intact (cut short by a kill,
+    truncated) is removed, with one line saying why, so that training resumes from the one before it and the
+    Trainer later writes checkpoint-N afresh instead of into the broken folder."""
     ckpts = sorted((p for p in ckpt_dir.glob("checkpoint-*") if p.name.split("-")[-1].isdigit()),
                    key=lambda p: int(p.name.split("-")[-1]), reverse=True)
     for p in ckpts:
-        if (p / "trainer_state.json").exists():
+        problem = checkpoint_problem(p)
+        if problem is None:
             return str(p)
+        print(f"skipping {p.name}: {problem}; removed it, resuming from the checkpoint before it")
         shutil.rmtree(p, ignore_errors=True)
     return None
+
+
+class ResumingSFTTrainer(SFTTrainer):
+    """SFTTrainer whose resume restores every weight and the token counter.
+
+    Weights: the Trainer (transformers 5.19) loads a checkpoint's model.safetensors with a non-strict
+    load_state_dict. save_pretrained writes MoE experts in the hub layout, one key per expert
+    (`mlp.experts.0.gate_proj.weight`, ...), while Glm4MoeForCausalLM holds them fused (`mlp.experts.gate_up_proj`,
+    `mlp.experts.down_proj`): those keys match nothing, and the routed experts silently kept their start-of-run
+    values, with only a warning (transformers issue 48805, fix proposed in PR 48822). Here the checkpoint is read by
+    from_pretrained, which converts the per-expert keys to the fused ones, and copied into the model with a strict
+    load: a key that still does not match is an error. Peak memory is that of the Trainer's own load (one full
+    state dict on the CPU).
+
+    Token counter: TRL keeps the `num_tokens` it logs in the trainer (`_total_train_tokens`), which starts at 0 in
+    every process, so after a resume the metric restarted from 0. Each checkpoint records it in the TrainerState's
+    `num_input_tokens_seen` (the same count: input tokens, padding excluded; the Trainer itself leaves it alone as
+    include_num_input_tokens_seen is off), and a resume starts the counter from there.
+    """
+
+    def _save_checkpoint(self, model, trial):
+        self.state.num_input_tokens_seen = self._total_train_tokens
+        super()._save_checkpoint(model, trial)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        state = json.loads((Path(resume_from_checkpoint) / "trainer_state.json").read_text())
+        self._total_train_tokens = state.get("num_input_tokens_seen", 0)
+        if self.is_fsdp_enabled or self.is_deepspeed_enabled or not isinstance(self.model, PreTrainedModel):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)  # sharded or adapter checkpoints
+        try:
+            loaded, info = type(self.model).from_pretrained(resume_from_checkpoint, dtype=self.model.dtype,
+                                                            output_loading_info=True)
+            # from_pretrained fills a weight the checkpoint lacks with a fresh init and only warns: refuse that too
+            bad = {k: info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys") if info.get(k)}
+            if bad:
+                raise RuntimeError(bad)
+            self.model.load_state_dict(loaded.state_dict(), strict=True)
+        except RuntimeError as e:  # also what from_pretrained raises when the experts cannot be fused
+            raise StageError(f"checkpoint {resume_from_checkpoint} does not match the model: {e}") from None
 
 
 def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_cpu: bool) -> Path:
@@ -78,8 +171,8 @@ def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_
         dataloader_num_workers=0,
         disable_tqdm=False,
     )
-    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                         callbacks=[MetricsCallback(metrics)])
+    trainer = ResumingSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                                 callbacks=[MetricsCallback(metrics)])
     trainer.train(resume_from_checkpoint=last)
     out = stage_dir / "model"
     trainer.save_model(str(out))
