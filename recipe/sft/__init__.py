@@ -19,7 +19,7 @@ from trl import SFTConfig, SFTTrainer
 from trl.data_utils import common_prefix_length
 
 from recipe.chat import ENV_REPLY, messages
-from recipe.runs import MetricsLog
+from recipe.runs import STOP, MetricsLog
 
 
 class MetricsCallback(TrainerCallback):
@@ -32,6 +32,15 @@ class MetricsCallback(TrainerCallback):
         if logs and state.is_world_process_zero:
             self.metrics.log({"step": state.global_step, **{k: v for k, v in logs.items()
                                                              if isinstance(v, (int, float))}})
+
+
+class StopCallback(TrainerCallback):
+    """SIGTERM/SIGINT (recipe.runs.STOP): save a checkpoint at the end of the current step and stop training."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if STOP.requested:
+            control.should_save = True
+            control.should_training_stop = True
 
 
 def last_complete_checkpoint(ckpt_dir: Path) -> str | None:
@@ -79,8 +88,12 @@ def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_
         disable_tqdm=False,
     )
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                         callbacks=[MetricsCallback(metrics)])
-    trainer.train(resume_from_checkpoint=last)
+                         callbacks=[MetricsCallback(metrics), StopCallback()])
+    with STOP.cooperative():
+        trainer.train(resume_from_checkpoint=last)
+    if STOP.requested:
+        ckpt = last_complete_checkpoint(ckpt_dir)
+        STOP.stop(f"the next run resumes from checkpoint {ckpt}" if ckpt else "the next run starts it over")
     out = stage_dir / "model"
     trainer.save_model(str(out))
     tokenizer.save_pretrained(str(out))
