@@ -2,22 +2,32 @@
 
 Each stage writes runs/<preset>/<stage>/: config.yaml (resolved), manifest.json (provenance), metrics.jsonl, its
 outputs, and DONE.json last, atomically. A stage without DONE.json is unfinished: the next run resumes or redoes
-it, and no later stage trusts it.
+it, and no later stage trusts it. DONE.json records the stage's config hash and the hash of each upstream stage it
+consumed; a stage refuses an upstream finished under another config than its own.
+
+While a stage runs it holds an exclusive lock on <stage>/.lock (flock: the OS drops it when the process dies, even
+by kill -9), so a second run on the same folder stops at once and names the first. SIGTERM and SIGINT stop a stage
+at its next safe point (RL and SFT: after the current step, with a checkpoint) with one line and exit code
+128 + signal.
 """
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import platform
 import shutil
+import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from importlib import metadata
 from pathlib import Path
-
-from typing import Callable
+from typing import Callable, Iterator
 
 from omegaconf import OmegaConf
 
@@ -35,6 +45,7 @@ STAGE_KEYS = {
 PACKAGES = ["torch", "transformers", "trl", "accelerate", "datasets", "hydra-core", "math-verify",
             "reasoning-gym", "tokenizers", "vllm", "flash-attn"]
 HASH_LIMIT = 2 << 30  # files larger than this are recorded by size only (hashing 200 GB of weights is no use)
+LOCK_NAME = ".lock"  # in the stage folder; kept when the folder is wiped (another run may be waiting on it)
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:
@@ -113,6 +124,7 @@ class Stage:
         self.dir = stage_dir(cfg, name)
         self.hash = config_hash(cfg, STAGE_KEYS[name])
         self.started = None
+        self.upstream: dict[str, str] = {}  # upstream stage -> the config hash its DONE.json recorded
 
     @property
     def done_file(self) -> Path:
@@ -131,31 +143,99 @@ class Stage:
             f"{self.name}: {self.dir} was finished with another config (hash {done.get('config_hash')}, now "
             f"{self.hash}); pass force=true to redo it, or run_root=<dir> to keep both runs")
 
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the stage folder's lock for the block (see StageLock)."""
+        lock = StageLock(self.dir, self.name)
+        lock.acquire()
+        try:
+            yield
+        finally:
+            lock.release()
+
     def begin(self, fresh: bool = False) -> None:
         """Start (or resume) the stage. fresh=True wipes a previous unfinished or forced attempt."""
-        if self.done_file.exists() or fresh:
-            shutil.rmtree(self.dir, ignore_errors=True)
+        if (self.done_file.exists() or fresh) and self.dir.exists():
+            self.done_file.unlink(missing_ok=True)  # first: a wipe cut short never looks finished
+            for p in self.dir.iterdir():  # all but the lock file, which this run holds
+                if p.name == LOCK_NAME:
+                    continue
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p, ignore_errors=True)
+                else:
+                    p.unlink(missing_ok=True)
         self.dir.mkdir(parents=True, exist_ok=True)
         write_atomic(self.dir / "config.yaml", OmegaConf.to_yaml(self.cfg, resolve=True))
         self.started = time.time()
 
     def run(self, body: Callable[["Stage", dict], dict], requires: tuple[str, ...] = (), fresh: bool = False):
-        """The life of every stage: skip it when done with this config; require its upstream stages (their
-        folders are handed to body by name); begin; body(stage, upstream) returns finish()'s keyword
-        arguments (inputs, outputs, extra); finish. Returns the manifest, or None when skipped."""
-        if self.is_done():
-            print(f"{self.name}: already done ({self.dir}); nothing to do")
-            return None
-        upstream = {name: require_done(self.cfg, name) for name in requires}
-        self.begin(fresh=fresh)
-        return self.finish(**body(self, upstream))
+        """The life of every stage: take the folder's lock; skip it when done with this config; require its
+        upstream stages, finished under this config (their folders are handed to body by name, their hashes are
+        recorded); begin; body(stage, upstream) returns finish()'s keyword arguments (inputs, outputs, extra);
+        finish. Returns the manifest, or None when skipped."""
+        with self.locked():
+            if self.is_done():
+                print(f"{self.name}: already done ({self.dir}); nothing to do")
+                return None
+            upstream = {name: require_done(self.cfg, name, by=self.name) for name in requires}
+            self.upstream = {name: done_hash(d) for name, d in upstream.items()}
+            self.begin(fresh=fresh)
+            return self.finish(**body(self, upstream))
 
     def finish(self, inputs: dict, outputs: dict, extra: dict | None = None) -> dict:
         """Write the provenance manifest, then DONE.json: the last write of the stage."""
-        manifest = provenance(self.cfg, self.name, self.hash, self.started, inputs, outputs, extra)
+        manifest = provenance(self.cfg, self.name, self.hash, self.started, inputs, outputs,
+                              {"upstream": self.upstream, **(extra or {})})
         write_atomic(self.dir / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True))
-        write_atomic(self.done_file, json.dumps({"config_hash": self.hash, "ended": manifest["ended"]}))
+        write_atomic(self.done_file, json.dumps({"config_hash": self.hash, "ended": manifest["ended"],
+                                                 "upstream": self.upstream}, sort_keys=True))
         return manifest
+
+
+class StageLock:
+    """An exclusive, non-blocking flock on <stage folder>/.lock, held for the life of a stage.
+
+    The holder writes who it is (pid, host, start time, command) into the file; a second run reads that and stops
+    with a StageError naming it. The OS drops the lock when the holder's process dies, however it dies, so the
+    file a killed run leaves behind blocks no one. The file is never removed: removing it would let a third run
+    lock a new file while a second holds the old one."""
+
+    def __init__(self, folder: Path, name: str):
+        self.path = Path(folder) / LOCK_NAME
+        self.name = name
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by spawned processes
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # BlockingIOError: another process holds it
+            holder = self._holder(fd)
+            os.close(fd)
+            raise StageError(
+                f"{self.name}: {self.path.parent} is in use by another run ({holder}); wait for it to end or stop "
+                f"it, or pass run_root=<dir> to run elsewhere") from None
+        info = {"pid": os.getpid(), "host": socket.gethostname(),
+                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                "command": " ".join(["python"] + sys.orig_argv[1:]).replace("\n", " ")}  # the message is one line
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info, sort_keys=True) + "\n").encode(), 0)
+        self.fd = fd
+
+    @staticmethod
+    def _holder(fd: int) -> str:
+        try:
+            info = json.loads(os.pread(fd, 1 << 16, 0).decode())
+            return f"pid {info['pid']} on {info['host']}, started {info['started']}: {info['command']}"
+        except (OSError, ValueError, KeyError, TypeError):  # the holder is still writing it
+            return "holder unknown"
+
+    def release(self) -> None:
+        if self.fd is not None:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = None
 
 
 def provenance(cfg, stage: str, cfg_hash: str, started: float | None, inputs: dict, outputs: dict,
@@ -185,10 +265,25 @@ def stage_dir(cfg, name: str) -> Path:
     return Path(cfg.run_root) / cfg.preset / name
 
 
-def require_done(cfg, name: str) -> Path:
+def done_hash(folder: Path) -> str | None:
+    """The config hash a finished stage folder's DONE.json records."""
+    return json.loads((Path(folder) / "DONE.json").read_text()).get("config_hash")
+
+
+def require_done(cfg, name: str, by: str | None = None) -> Path:
+    """The folder of upstream stage `name`, finished under the config cfg gives it; else a StageError that says
+    what to do. `by` names the consuming stage in the message."""
     d = stage_dir(cfg, name)
+    who = f"{by}: " if by else ""
     if not (d / "DONE.json").exists():
-        raise StageError(f"stage '{name}' has not finished ({d / 'DONE.json'} missing): run `make {name}` first")
+        raise StageError(f"{who}stage '{name}' has not finished ({d / 'DONE.json'} missing): run `make {name}` "
+                         f"first")
+    recorded, expected = done_hash(d), config_hash(cfg, STAGE_KEYS[name])
+    if recorded != expected:
+        raise StageError(
+            f"{who}stage '{name}' in {d} was finished under another config (hash {recorded}; this config gives "
+            f"{expected}): redo it under this config with `make {name} ARGS=\"force=true <this run's overrides>\"`, "
+            f"or pass run_root=<dir> to keep both runs")
     return d
 
 
@@ -211,11 +306,74 @@ class MetricsLog:
             os.fsync(f.fileno())
 
 
+class Stopped(BaseException):
+    """SIGTERM or SIGINT stopped the stage. A BaseException (as KeyboardInterrupt), so that no `except Exception`
+    on the way out swallows it; stage_main turns it into one line and exit code 128 + signal."""
+
+    def __init__(self, signum: int, detail: str | None = None):
+        super().__init__(signum, detail)
+        self.signum, self.detail = signum, detail
+
+
+class StopRequest:
+    """SIGTERM and SIGINT, as stage_main's handlers receive them.
+
+    Outside a `cooperative()` block the first signal raises Stopped where the main thread is (finally blocks
+    run: engines and threads are closed). Inside one, it only sets the flag: the work checks `requested` at its
+    next safe point (RL: between steps; SFT: TRL's step end), checkpoints, and calls stop(). A second signal
+    raises at once. Once Stopped is raised, further signals are ignored, so the way out is not cut short."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.signum: int | None = None
+        self.raised = False
+        self.depth = 0
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    @contextlib.contextmanager
+    def cooperative(self) -> Iterator[None]:
+        self.depth += 1
+        try:
+            yield
+        finally:
+            self.depth -= 1
+
+    def handler(self, signum, frame) -> None:
+        if self.raised:
+            return
+        first = self.signum is None
+        self.signum = signum
+        if first and self.depth:
+            return
+        self.raised = True
+        raise Stopped(signum)
+
+    def stop(self, detail: str) -> None:
+        """Raise Stopped for the signal received, with what the next run does (`detail`)."""
+        self.raised = True
+        raise Stopped(self.signum or signal.SIGTERM, detail)
+
+
+STOP = StopRequest()
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 def stage_main(fn):
-    """Entry-point wrapper: the recipe's errors become one clear line on stderr and exit code 2."""
+    """Entry-point wrapper: the recipe's errors become one clear line on stderr and exit code 2; SIGTERM and
+    SIGINT stop the stage with one line and exit code 128 + signal (see StopRequest)."""
 
     def main(argv=None):
+        spec = getattr(sys.modules.get(fn.__module__), "__spec__", None)  # `python -m recipe.sft`: __main__
+        name = (spec.name if spec else fn.__module__).removeprefix("recipe.").removesuffix(".__main__")
         argv = sys.argv[1:] if argv is None else argv
+        STOP.reset()
+        main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be installed
+        previous = {s: signal.signal(s, STOP.handler) for s in STOP_SIGNALS} if main_thread else {}
         try:
             cfg = load_config(argv)
             return fn(cfg)
@@ -224,5 +382,12 @@ def stage_main(fn):
                 raise
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
+        except Stopped as e:
+            detail = e.detail or "it is not marked done: the next run resumes it from its last checkpoint, or redoes it"
+            print(f"{name}: stopped by {signal.Signals(e.signum).name}; {detail}", file=sys.stderr)
+            sys.exit(128 + e.signum)
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
 
     return main

@@ -54,3 +54,51 @@ class ScriptedEngine:
 
     def close(self):
         pass
+
+
+class TokenEngine:
+    """The Engine contract on a real tokenizer's ids, answering at once: prompt `Q<n>` gets `<think>t</think><n>`
+    from the first sample of its group and a wrong answer from the others, so every group carries signal.
+    `delay` seconds a poll that answers slow the caller down (a step takes about that long); `on_close` runs at
+    close()."""
+
+    def __init__(self, tokenizer, version: int = 0, delay: float = 0.0, on_close=None):
+        import threading
+
+        self.tok = tokenizer
+        self.policy_version = version
+        self.pending = []
+        self.lock = threading.Lock()
+        self.delay, self.on_close = delay, on_close
+        self.stop_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+
+    def submit(self, requests):
+        with self.lock:
+            self.pending.extend(requests)
+
+    def update_weights(self, path, version):
+        self.policy_version = version
+
+    def poll(self, timeout=None):
+        import math
+        import re
+
+        with self.lock:
+            batch, self.pending = self.pending, []
+        if not batch:
+            time.sleep(min(timeout or 0, 0.01))
+            return None
+        time.sleep(self.delay)
+        out = []
+        for r in batch:
+            n = re.search(r"Q(\d+)", self.tok.decode(r.prompt_ids)).group(1)
+            # sample 0 of its group: the orchestrator seeds sample s of group g rl.seed * 1_000_003 + g * 1000 + s
+            right = r.params.seed % 1000 == 0  # (so: run with rl.seed=0)
+            ids = self.tok.encode(f"<think>t</think>{n if right else -1}", add_special_tokens=False)
+            ids = (ids + [self.stop_id])[:r.params.max_new_tokens]
+            out.append((r.id, Completion(ids, [-math.log(len(self.tok))] * len(ids), "stop", self.policy_version)))
+        return Done(out, 0.01)
+
+    def close(self):
+        if self.on_close is not None:
+            self.on_close()

@@ -22,7 +22,7 @@ from recipe.inference.engine import Done
 from recipe.model import build_tiny_model, build_tokenizer
 from recipe.rl import loop
 from recipe.rollout import Completion
-from recipe.runs import stage_dir, write_atomic
+from recipe.runs import Stage, stage_dir, write_atomic
 
 RL_SEED = 0
 MAX_GROUPS = 100  # a run of 4 steps of 2 groups needs about a dozen
@@ -104,7 +104,7 @@ def world(tmp_path_factory):
              "completion": [], "answer": str(i), "info": "{}", "difficulty": 0.0, "tools": "[]"} for i in range(40)]
     sha = write_rows(rows, data / "rl.parquet")
     write_atomic(data / "data_manifest.json", json.dumps({"files": {"rl.parquet": {"rows": 40, "sha256": sha}}}))
-    write_atomic(data / "DONE.json", json.dumps({"config_hash": "test"}))
+    write_atomic(data / "DONE.json", json.dumps({"config_hash": Stage(cfg(1), "data").hash}))
     return {"root": root, "tok": tok, "start": start, "cfg": cfg}
 
 

@@ -22,7 +22,8 @@ from recipe.eval.report import write_report
 from recipe.eval.runner import evaluate
 from recipe.inference.hf import HFEngine
 from recipe.inference.vllm import VLLMEngine
-from recipe.runs import STAGE_KEYS, Stage, provenance, sha256_tree, stage_dir, stage_main, write_atomic
+from recipe.runs import (STAGE_KEYS, Stage, done_hash, provenance, require_done, sha256_tree, stage_dir, stage_main,
+                         write_atomic)
 
 # eval keys that only concern the benchmarks: left out of the held-out suite's key, so that adding a benchmark
 # does not redo the held-out eval (and the key stays what it was before these keys existed)
@@ -30,13 +31,14 @@ BENCHMARK_KEYS = ("held_out", "benchmarks", "benchmark_max_problems", "hub_timeo
 
 
 def checkpoint_path(cfg, name: str):
-    """Model folder of a stage's output; for hub presets 'base' is the hub model itself."""
+    """Model folder of a stage's output, None when the stage has not finished; for hub presets 'base' is the hub
+    model itself. A stage finished under another config than this one is refused (recipe.runs.require_done)."""
     if name == "base" and cfg.model.hub_id:
         return cfg.model.hub_id
     d = stage_dir(cfg, name)
     if name not in ("base", "sft", "rl"):
         raise StageError(f"eval.checkpoints: unknown checkpoint '{name}' (known: base, sft, rl)")
-    return d / "model" if (d / "DONE.json").exists() else None
+    return require_done(cfg, name, by="eval") / "model" if (d / "DONE.json").exists() else None
 
 
 def make_eval_engine(cfg, path, out_dir):
@@ -55,7 +57,7 @@ def held_out_hash(cfg) -> str:
 
 
 def held_out_rows(cfg) -> list[dict]:
-    rows = read_split(stage_dir(cfg, "data"), "eval")
+    rows = read_split(require_done(cfg, "data", by="eval"), "eval")
     if cfg.eval.max_problems_per_task:
         per_task: dict[str, int] = {}
         kept = []
@@ -88,16 +90,27 @@ def main(cfg):
     validate_benchmarks(cfg.eval)
     torch.set_num_threads(cfg.eval.threads)
     stage = Stage(cfg, "eval")
+    with stage.locked():  # one eval at a time in a run folder
+        run_eval(cfg, stage)
+    path = write_report(cfg)
+    print(f"eval: wrote {path}")
+
+
+def run_eval(cfg, stage: Stage) -> None:
     data_dir = stage_dir(cfg, "data")
     rows = held_out_rows(cfg) if cfg.eval.held_out else []
     specs = [resolve(b, cfg.eval) for b in cfg.eval.benchmarks]
     bench_rows: dict[str, list[dict]] = {}
-    stage.dir.mkdir(parents=True, exist_ok=True)
+    # every checkpoint is checked against this config before any work
+    paths = {name: checkpoint_path(cfg, name) for name in cfg.eval.checkpoints}
     for name in cfg.eval.checkpoints:
-        path = checkpoint_path(cfg, name)
+        path = paths[name]
         if path is None:
             print(f"eval: checkpoint '{name}' not finished ({stage_dir(cfg, name)}); skipped: run `make {name}`")
             continue
+        # the config hash of each stage this checkpoint's results come from
+        upstream = {n: done_hash(stage_dir(cfg, n)) for n in (["data"] if cfg.eval.held_out else []) +
+                    ([] if isinstance(path, str) else [name])}
         out = stage.dir / name
         out.mkdir(parents=True, exist_ok=True)
         model_sha = _sha(sha256_tree(path)) if not isinstance(path, str) else f"{path}@{cfg.model.revision}"
@@ -143,14 +156,13 @@ def main(cfg):
                 res.update({"key": key, "checkpoint": name, "model_sha": model_sha})
                 where = f"eval/{name}" + (f"/{spec.name}" if spec else "")
                 res["provenance"] = provenance(cfg, where, config_hash(cfg, STAGE_KEYS["eval"]), started,
-                                               inputs=inputs, outputs={"samples": res_path.parent / "samples.jsonl"})
+                                               inputs=inputs, outputs={"samples": res_path.parent / "samples.jsonl"},
+                                               extra={"upstream": upstream})
                 write_atomic(res_path, json.dumps(res, indent=2, sort_keys=True))
                 print(f"eval: {label}: {summary}")
         finally:
             if hasattr(engine, "close"):
                 engine.close()
-    path = write_report(cfg)
-    print(f"eval: wrote {path}")
 
 
 if __name__ == "__main__":

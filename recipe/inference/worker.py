@@ -35,6 +35,8 @@ def _die_with_parent() -> None:
 
 def _worker(model_path, threads, batch_size, max_off_policy_steps, version, cpu, req_q, res_q):
     _die_with_parent()
+    # Ctrl-C reaches the whole process group: the stage stops at its next step and closes this process itself
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
     torch.set_num_threads(threads)
     if cpu is not None and hasattr(os, "sched_setaffinity"):

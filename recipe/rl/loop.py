@@ -22,7 +22,7 @@ from recipe.model import load_pretrained
 from recipe.rl.orchestrator import Orchestrator
 from recipe.rl.trainer import (build_optimizer, build_scheduler, latest_checkpoint, load_checkpoint,
                                publish_weights, save_checkpoint, train_step)
-from recipe.runs import MetricsLog, require_done
+from recipe.runs import STOP, MetricsLog, require_done
 from recipe.sandbox.runner import run_on_cores
 
 
@@ -88,28 +88,37 @@ def _rl_loop(cfg, stage_dir, start_model):
               f"({orch.offline_dropped} dropped by the offline pass-rate filter); env mix {dict(rl.env_mix)}")
         bar = tqdm(total=rl.max_steps, initial=step, desc="rl", unit="step")
         t_start = time.perf_counter()
-        while step < rl.max_steps:
-            t0 = time.perf_counter()
-            samples, gen_stats = orch.next_batch(step)
-            t1 = time.perf_counter()
-            train_stats = train_step(model, optimizer, schedulers, accelerator, samples, rl,
-                                     tokenizer.pad_token_id)
-            t2 = time.perf_counter()
-            step += 1
-            engine.update_weights(publish_weights(accelerator.unwrap_model(model), weights_dir, step), step)
-            lens = [len(s.completion_ids) for s in samples]
-            record = {"step": step, **gen_stats, **train_stats,
-                      "completion_len_mean": sum(lens) / len(lens), "completion_len_max": max(lens),
-                      "gen_wait_s": t1 - t0, "train_s": t2 - t1, "step_s": time.perf_counter() - t0,
-                      "samples_per_s": len(samples) / (time.perf_counter() - t0),
-                      "elapsed_s": time.perf_counter() - t_start}
-            if step % rl.checkpoint_every == 0 or step == rl.max_steps:
-                save_checkpoint(ckpt_root, step, accelerator.unwrap_model(model), optimizer, schedulers,
-                                orch.state_dict(), rl.keep_checkpoints)
-            metrics.log(record)  # after the checkpoint, so a resumed run never logs a step twice
-            bar.set_postfix(reward=f"{gen_stats['reward']:.3f}", masked=f"{train_stats['masked_share']:.3f}",
-                            stale=str(gen_stats["staleness"]))
-            bar.update(1)
+        saved = step
+        with STOP.cooperative():  # SIGTERM/SIGINT: finish the step, checkpoint it, stop
+            while step < rl.max_steps:
+                t0 = time.perf_counter()
+                samples, gen_stats = orch.next_batch(step)
+                t1 = time.perf_counter()
+                train_stats = train_step(model, optimizer, schedulers, accelerator, samples, rl,
+                                         tokenizer.pad_token_id)
+                t2 = time.perf_counter()
+                step += 1
+                engine.update_weights(publish_weights(accelerator.unwrap_model(model), weights_dir, step), step)
+                lens = [len(s.completion_ids) for s in samples]
+                record = {"step": step, **gen_stats, **train_stats,
+                          "completion_len_mean": sum(lens) / len(lens), "completion_len_max": max(lens),
+                          "gen_wait_s": t1 - t0, "train_s": t2 - t1, "step_s": time.perf_counter() - t0,
+                          "samples_per_s": len(samples) / (time.perf_counter() - t0),
+                          "elapsed_s": time.perf_counter() - t_start}
+                if step % rl.checkpoint_every == 0 or step == rl.max_steps or STOP.requested:
+                    save_checkpoint(ckpt_root, step, accelerator.unwrap_model(model), optimizer, schedulers,
+                                    orch.state_dict(), rl.keep_checkpoints)
+                    saved = step
+                metrics.log(record)  # after the checkpoint, so a resumed run never logs a step twice
+                bar.set_postfix(reward=f"{gen_stats['reward']:.3f}", masked=f"{train_stats['masked_share']:.3f}",
+                                stale=str(gen_stats["staleness"]))
+                bar.update(1)
+                if STOP.requested:
+                    if saved != step:  # the signal came after this step's checkpoint decision
+                        save_checkpoint(ckpt_root, step, accelerator.unwrap_model(model), optimizer, schedulers,
+                                        orch.state_dict(), rl.keep_checkpoints)
+                    bar.close()
+                    STOP.stop(f"the next run resumes from checkpoint {latest_checkpoint(ckpt_root)} (step {step})")
         bar.close()
     finally:
         if orch is not None:

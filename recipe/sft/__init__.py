@@ -22,7 +22,7 @@ from trl.data_utils import common_prefix_length
 
 from recipe.chat import ENV_REPLY, messages
 from recipe.errors import StageError
-from recipe.runs import MetricsLog
+from recipe.runs import STOP, MetricsLog
 
 
 class MetricsCallback(TrainerCallback):
@@ -83,6 +83,15 @@ def checkpoint_problem(ckpt: Path) -> str | None:
         except (zipfile.BadZipFile, OSError) as e:
             return f"{p.name} is not a complete torch.save file ({e})"
     return None
+
+
+class StopCallback(TrainerCallback):
+    """SIGTERM/SIGINT (recipe.runs.STOP): save a checkpoint at the end of the current step and stop training."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if STOP.requested:
+            control.should_save = True
+            control.should_training_stop = True
 
 
 def last_complete_checkpoint(ckpt_dir: Path) -> str | None:
@@ -172,8 +181,12 @@ def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_
         disable_tqdm=False,
     )
     trainer = ResumingSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                                 callbacks=[MetricsCallback(metrics)])
-    trainer.train(resume_from_checkpoint=last)
+                                 callbacks=[MetricsCallback(metrics), StopCallback()])
+    with STOP.cooperative():
+        trainer.train(resume_from_checkpoint=last)
+    if STOP.requested:
+        ckpt = last_complete_checkpoint(ckpt_dir)
+        STOP.stop(f"the next run resumes from checkpoint {ckpt}" if ckpt else "the next run starts it over")
     out = stage_dir / "model"
     trainer.save_model(str(out))
     tokenizer.save_pretrained(str(out))

@@ -1,0 +1,259 @@
+"""What guards a stage folder: upstream stages made under another config are refused, one run at a time holds
+the folder (flock on <stage>/.lock), and SIGTERM stops RL and SFT at a step boundary with a checkpoint, one line
+and exit code 143, from which the next run resumes."""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fakes import TokenEngine
+from recipe.config import TinyArch, load_config
+from recipe.data.schema import message, write_rows
+from recipe.runs import Stage, StageError, require_done, stage_dir, stage_main, write_atomic
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def nothing(stage, upstream):
+    return {"inputs": {}, "outputs": {}}
+
+
+# -- upstream config ---------------------------------------------------------------------------------------------
+
+def test_an_upstream_made_under_another_config_is_refused_and_the_hashes_consumed_are_recorded(cfg_factory):
+    cfg = cfg_factory()
+    Stage(cfg, "data").run(nothing)
+    manifest = Stage(cfg, "base").run(nothing, requires=("data",))
+    data_hash = Stage(cfg, "data").hash
+    assert manifest["upstream"] == {"data": data_hash}
+    assert json.loads((stage_dir(cfg, "base") / "DONE.json").read_text())["upstream"] == {"data": data_hash}
+
+    other = cfg_factory("data.seed=7")  # sft on data made from another seed
+    ran = []
+    with pytest.raises(StageError) as e:
+        Stage(other, "sft").run(lambda st, up: ran.append(1), requires=("data", "base"))
+    msg = str(e.value)
+    assert "\n" not in msg and not ran and not (stage_dir(other, "sft") / "DONE.json").exists()
+    assert msg.startswith("sft: stage 'data' in ") and str(stage_dir(cfg, "data")) in msg
+    assert data_hash in msg and Stage(other, "data").hash in msg
+    assert "make data" in msg and "force=true" in msg and "run_root=" in msg
+    # a config change the upstream does not read is no change to it
+    assert require_done(cfg_factory("sft.lr=0.5"), "base") == stage_dir(cfg, "base")
+
+
+def test_eval_refuses_a_checkpoint_made_under_another_config(cfg_factory):
+    from recipe.eval.__main__ import checkpoint_path
+
+    cfg = cfg_factory()
+    Stage(cfg, "sft").finish(inputs={}, outputs={})
+    assert checkpoint_path(cfg, "sft") == stage_dir(cfg, "sft") / "model"
+    assert checkpoint_path(cfg, "rl") is None  # not finished: skipped, as before
+    with pytest.raises(StageError, match=r"eval: stage 'sft' .* another config .*make sft"):
+        checkpoint_path(cfg_factory("sft.lr=0.5"), "sft")
+
+
+# -- the folder lock ---------------------------------------------------------------------------------------------
+
+HOLDER = """
+import sys, time
+sys.path.insert(0, {root!r})
+from recipe.config import load_config
+from recipe.runs import Stage
+
+def body(stage, upstream):
+    print("holding", flush=True)
+    time.sleep(120)
+
+Stage(load_config(sys.argv[1:]), "data").run(body, fresh=True)  # fresh: begin wipes the folder, not the lock
+"""
+
+
+def test_a_second_run_on_a_held_folder_names_the_holder_and_a_killed_holder_blocks_no_one(cfg_factory, tmp_path,
+                                                                                             capsys):
+    cfg = cfg_factory()
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER.format(root=str(ROOT)))
+    holder = subprocess.Popen([sys.executable, str(script), f"run_root={cfg.run_root}"], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        with pytest.raises(StageError) as e:
+            Stage(cfg, "data").run(nothing)
+        msg = str(e.value)
+        assert f"pid {holder.pid} on {socket.gethostname()}" in msg and "holder.py" in msg
+        assert msg.startswith(f"data: {stage_dir(cfg, 'data')} is in use by another run") and "\n" not in msg
+
+        # through an entry point: one line on stderr, exit code 2
+        main = stage_main(lambda c: Stage(c, "data").run(nothing))
+        with pytest.raises(SystemExit) as exit_:
+            main([f"run_root={cfg.run_root}"])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and err.startswith("error: data: ") and f"pid {holder.pid}" in err
+    finally:
+        holder.kill()  # SIGKILL: no handler runs, the lock file stays behind
+        holder.wait()
+    lock = stage_dir(cfg, "data") / ".lock"
+    assert json.loads(lock.read_text())["pid"] == holder.pid
+    assert Stage(cfg, "data").run(nothing) is not None  # the stale lock file blocks no one
+    assert Stage(cfg, "data").is_done() and json.loads(lock.read_text())["pid"] == os.getpid()
+
+
+# -- SIGTERM -----------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_world(tmp_path_factory):
+    """A tiny start model and tokenizer, and sft/rl rows asking `Q<n>`."""
+    from recipe.model import build_tiny_model, build_tokenizer
+
+    root = tmp_path_factory.mktemp("guard")
+    tok = build_tokenizer([f"Q{i} <think>t</think>{i}" for i in range(100)], vocab_size=160)
+    arch = TinyArch(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, n_routed_experts=4,
+                    max_position_embeddings=128)
+    model = root / "model"
+    build_tiny_model(arch, tok, seed=0).save_pretrained(model)
+    tok.save_pretrained(model)
+    rows = {split: [{"id": f"q{i}", "env": "math", "task": "add", "split": split,
+                     "prompt": [message("user", f"Q{i}")],
+                     "completion": [message("assistant", f"<think>t</think>{i}")] if split == "sft" else [],
+                     "answer": str(i), "info": "{}", "difficulty": 0.0, "tools": "[]"} for i in range(40)]
+            for split in ("sft", "rl")}
+    return {"root": root, "tok": tok, "model": model, "rows": rows}
+
+
+def finished(cfg, name: str, files: dict | None = None) -> Path:
+    """A stage folder that looks finished under cfg: `files` ({name: source folder}) copied in, DONE.json."""
+    import shutil
+
+    d = stage_dir(cfg, name)
+    for target, src in (files or {}).items():
+        shutil.copytree(src, d / target)
+    write_atomic(d / "DONE.json", json.dumps({"config_hash": Stage(cfg, name).hash}))
+    return d
+
+
+def data_stage(cfg, world) -> None:
+    d = stage_dir(cfg, "data")
+    manifest = {f"{s}.parquet": {"rows": len(r), "sha256": write_rows(r, d / f"{s}.parquet")}
+                for s, r in world["rows"].items()}
+    write_atomic(d / "data_manifest.json", json.dumps({"files": manifest}))
+    finished(cfg, "data")
+
+
+def run_until_metrics_then_sigterm(cmd, metrics: Path, lines: int, env=None):
+    """Start cmd, wait for `lines` records in metrics, SIGTERM it: (exit code, stderr)."""
+    err_path = metrics.parent.parent / f"{metrics.parent.name}.stderr"
+    with open(err_path, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err, env=env)
+        try:
+            deadline = time.time() + 120
+            while time.time() < deadline and proc.poll() is None:
+                if metrics.exists() and len(metrics.read_text().splitlines()) >= lines:
+                    break
+                time.sleep(0.05)
+            assert proc.poll() is None, f"ended early ({proc.returncode}):\n{err_path.read_text()[-3000:]}"
+            proc.send_signal(signal.SIGTERM)
+            rc = proc.wait(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return rc, err_path.read_text()
+
+
+def the_one_line(stderr: str, stage: str) -> re.Match:
+    assert "Traceback" not in stderr, stderr[-3000:]
+    lines = [ln for ln in re.split(r"[\r\n]", stderr) if ln.startswith(f"{stage}: stopped")]
+    assert len(lines) == 1, stderr[-3000:]
+    m = re.fullmatch(rf"{stage}: stopped by SIGTERM; the next run resumes from checkpoint (\S+)(?: \(step \d+\))?",
+                     lines[0])
+    assert m, lines[0]
+    return m
+
+
+RL_DRIVER = """
+import os, runpy, sys
+sys.path[:0] = [{root!r}, {tests!r}]
+from transformers import AutoTokenizer
+from fakes import TokenEngine
+from recipe.rl import loop
+
+def make_engine(cfg, model_path, version, log_dir):
+    closed = lambda: open(os.environ["ENGINE_CLOSED"], "w").close()
+    return TokenEngine(AutoTokenizer.from_pretrained(str(model_path)), version, delay=0.02, on_close=closed)
+
+loop.make_engine = make_engine  # `python -m recipe.rl` with a scripted engine in place of the engine process
+sys.argv = ["recipe.rl", *sys.argv[1:]]
+runpy.run_module("recipe.rl", run_name="__main__", alter_sys=True)
+"""
+
+RL_ARGS = ["rl.batch_size=2", "rl.rollouts_per_example=2", "rl.max_new_tokens=8", "rl.micro_batch_size=4",
+           "rl.pin_cores=false", "rl.seed=0", "rl.checkpoint_every=1000", "~rl.env_mix.logic", "~rl.env_mix.code",
+           "~rl.env_mix.tools", "rl.env_mix.math=1.0"]
+
+
+def test_sigterm_stops_rl_at_a_step_with_a_checkpoint_and_the_rerun_resumes(tiny_world, tmp_path, monkeypatch,
+                                                                            capsys):
+    from recipe.rl import __main__ as rl_main
+    from recipe.rl import loop
+
+    args = [f"run_root={tmp_path / 'runs'}", *RL_ARGS]
+    cfg = load_config(args)
+    data_stage(cfg, tiny_world)
+    finished(cfg, "sft", {"model": tiny_world["model"]})
+    script, closed = tmp_path / "rl_driver.py", tmp_path / "engine_closed"
+    script.write_text(RL_DRIVER.format(root=str(ROOT), tests=str(ROOT / "tests")))
+    rl_dir = stage_dir(cfg, "rl")
+    rc, err = run_until_metrics_then_sigterm([sys.executable, str(script), *args, "rl.max_steps=100000"],
+                                             rl_dir / "metrics.jsonl", 2,
+                                             env={**os.environ, "ENGINE_CLOSED": str(closed)})
+    assert rc == 128 + signal.SIGTERM
+    ckpt = Path(the_one_line(err, "rl").group(1))
+    step = json.loads((ckpt / "meta.json").read_text())["step"]
+    assert ckpt.parent == rl_dir / "checkpoints" and step >= 2  # checkpoint_every=1000: the signal's checkpoint
+    steps = [json.loads(x)["step"] for x in (rl_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, step + 1))
+    assert closed.exists() and not (rl_dir / "DONE.json").exists()
+
+    monkeypatch.setattr(loop, "make_engine", lambda c, path, version, log_dir: TokenEngine(tiny_world["tok"], version))
+    rl_main.main([*args, f"rl.max_steps={step + 2}"])
+    assert f"rl: resuming from {ckpt} (step {step})" in capsys.readouterr().out
+    steps = [json.loads(x)["step"] for x in (rl_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, step + 3)) and (rl_dir / "DONE.json").exists()
+
+
+SFT_ARGS = ["sft.save_steps=100000", "sft.logging_steps=1", "sft.batch_size=2", "sft.max_length=64", "sft.threads=1",
+            "sft.warmup_ratio=0"]
+
+
+def test_sigterm_stops_sft_at_a_step_with_a_checkpoint_and_the_rerun_resumes(tiny_world, tmp_path, capsys):
+    from recipe.sft import __main__ as sft_main
+
+    args = [f"run_root={tmp_path / 'runs'}", *SFT_ARGS]
+    cfg = load_config(args)
+    data_stage(cfg, tiny_world)
+    finished(cfg, "base", {"model": tiny_world["model"]})
+    sft_dir = stage_dir(cfg, "sft")
+    rc, err = run_until_metrics_then_sigterm([sys.executable, "-m", "recipe.sft", *args, "sft.max_steps=100000"],
+                                             sft_dir / "metrics.jsonl", 2)
+    assert rc == 128 + signal.SIGTERM
+    ckpt = Path(the_one_line(err, "sft").group(1))
+    step = json.loads((ckpt / "trainer_state.json").read_text())["global_step"]
+    assert ckpt == sft_dir / "checkpoints" / f"checkpoint-{step}" and step >= 2  # save_steps: the signal's one
+    logged = [json.loads(x)["step"] for x in (sft_dir / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(x)]
+    assert logged == list(range(1, step + 1)) and not (sft_dir / "DONE.json").exists()
+
+    sft_main.main([*args, f"sft.max_steps={step + 2}"])
+    assert f"resuming from {ckpt} (step {step})" in capsys.readouterr().out
+    logged = [json.loads(x)["step"] for x in (sft_dir / "metrics.jsonl").read_text().splitlines()
+              if "loss" in json.loads(x)]
+    assert logged == list(range(1, step + 3)) and (sft_dir / "DONE.json").exists()
