@@ -224,5 +224,11 @@ def stage_main(fn):
                 raise
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
+        except OSError as e:  # the file system refused a path: read-only, full, a file where a folder goes
+            if os.environ.get("RECIPE_DEBUG") or e.filename is None:
+                raise
+            print(f"error: cannot write or read {e.filename}: {e.strerror} (check run_root and its permissions)",
+                  file=sys.stderr)
+            sys.exit(2)
 
     return main
