@@ -1,14 +1,21 @@
 """Typed config schema and composition.
 
-The hydra tree under configs/ is merged into these dataclasses, so an unknown key, a value of the wrong type or
-a choice outside its Enum stops with an error that names it, before any stage does work. Checks that span
-several keys live in validate(), the one place for them. The paper's benchmarks are checked against their
-registry by recipe.eval.benchmarks.validate_benchmarks, which the eval and plan stages call.
+The hydra tree under configs/ is merged into these dataclasses, so a value of the wrong type or a choice outside
+its Enum stops with an error that names it, before any stage does work. validate(), which load_config runs, is
+the one place for every other check: keys the schema lacks (hydra's `+key=` and `++key=` add them to the typed
+config), the valid range of every number (RANGES) and the checks that span keys. The paper's benchmarks are
+checked against their registry by recipe.eval.benchmarks.validate_benchmarks, which the eval and plan stages
+call. A dict given whole on the command line (`rl.env_mix={math:1.0}`) replaces the preset's (hydra would merge
+the two).
 """
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import hashlib
 import json
+import re
+import typing
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -16,7 +23,10 @@ from typing import Any, Dict, List, Optional
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
-from omegaconf import OmegaConf
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import OverrideType
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 from recipe.errors import ConfigError
 
@@ -43,6 +53,40 @@ class OptimizerKind(StrEnum):
 class LauncherKind(StrEnum):
     local = "local"
     slurm = "slurm"
+
+
+class DType(StrEnum):
+    """torch dtypes the model may be loaded in (the trainer's and the vLLM server's)."""
+    float32 = "float32"
+    float16 = "float16"
+    bfloat16 = "bfloat16"
+
+
+class AttnImplementation(StrEnum):
+    """transformers' attention implementations (attn_implementation=...)."""
+    eager = "eager"
+    sdpa = "sdpa"
+    flash_attention_2 = "flash_attention_2"
+    flash_attention_3 = "flash_attention_3"
+    flex_attention = "flex_attention"
+
+
+class SchedulerKind(StrEnum):
+    """transformers' LR schedulers that need no arguments beyond warmup and steps (SchedulerType values)."""
+    linear = "linear"
+    cosine = "cosine"
+    cosine_with_restarts = "cosine_with_restarts"
+    polynomial = "polynomial"
+    constant = "constant"
+    constant_with_warmup = "constant_with_warmup"
+    inverse_sqrt = "inverse_sqrt"
+
+
+class CheckpointName(StrEnum):
+    """The stages whose model eval can load."""
+    base = "base"
+    sft = "sft"
+    rl = "rl"
 
 
 @dataclass
@@ -73,8 +117,8 @@ class ModelConfig:
     # hub_id None means the model is built and pretrained here by `make base` (tiny preset only).
     hub_id: Optional[str] = None
     revision: Optional[str] = None
-    dtype: str = "float32"
-    attn_implementation: str = "sdpa"
+    dtype: DType = DType.float32
+    attn_implementation: AttnImplementation = AttnImplementation.sdpa
     tiny: TinyArch = field(default_factory=TinyArch)
     # size in billions of parameters, for the launcher's memory estimate; null = not stated (tiny is built here)
     params_total_b: Optional[float] = None
@@ -139,7 +183,7 @@ class TrainConfig:
     lr: float = 2e-3
     weight_decay: float = 0.0
     warmup_ratio: float = 0.05
-    scheduler: str = "cosine"
+    scheduler: SchedulerKind = SchedulerKind.cosine
     max_length: int = 256
     packing: bool = False
     save_steps: int = 100
@@ -209,7 +253,8 @@ class BenchmarkConfig:
 @dataclass
 class EvalConfig:
     engine: EngineKind = EngineKind.hf
-    checkpoints: List[str] = field(default_factory=lambda: ["base", "sft", "rl"])
+    checkpoints: List[CheckpointName] = field(
+        default_factory=lambda: [CheckpointName.base, CheckpointName.sft, CheckpointName.rl])
     samples: int = 4  # k of avg@k
     pass_k: List[int] = field(default_factory=lambda: [1, 4])
     temperature: float = 1.0
@@ -261,28 +306,370 @@ class Config:
 ConfigStore.instance().store(name="schema", node=Config)
 
 
+# -- valid ranges ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Range:
+    """An interval of valid values: low/high None = unbounded; open ends excluded."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def __contains__(self, v) -> bool:
+        return ((self.low is None or (v > self.low if self.low_open else v >= self.low))
+                and (self.high is None or (v < self.high if self.high_open else v <= self.high)))
+
+    def __str__(self) -> str:
+        if self.high is None:
+            return f"{'>' if self.low_open else '>='} {self.low}"
+        if self.low is None:
+            return f"{'<' if self.high_open else '<='} {self.high}"
+        return f"in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+
+
+AT_LEAST_0, AT_LEAST_1, POSITIVE = Range(0), Range(1), Range(0, low_open=True)
+SHARE, SHARE_OPEN = Range(0, 1), Range(0, 1, low_open=True)  # [0, 1]; (0, 1]
+
+# The valid range of every int and float of the schema (a test checks that none is missing). Optional fields
+# are checked when set (null means off / the default). `[]` stands for every item of a list.
+# Checks that span keys (contexts, pass_k against samples, the tiny architecture) are in validate() below.
+RANGES: dict[str, Range] = {
+    "seed": AT_LEAST_0,
+    # the tiny architecture (built by `make base`; hub models bring their own)
+    "model.tiny.vocab_size": AT_LEAST_1,
+    "model.tiny.hidden_size": AT_LEAST_1,
+    "model.tiny.intermediate_size": AT_LEAST_1,
+    "model.tiny.num_hidden_layers": AT_LEAST_1,
+    "model.tiny.num_attention_heads": AT_LEAST_1,
+    "model.tiny.num_key_value_heads": AT_LEAST_1,
+    "model.tiny.head_dim": AT_LEAST_1,
+    "model.tiny.moe_intermediate_size": AT_LEAST_1,
+    "model.tiny.n_routed_experts": AT_LEAST_1,
+    "model.tiny.num_experts_per_tok": AT_LEAST_1,
+    "model.tiny.n_shared_experts": AT_LEAST_0,
+    "model.tiny.first_k_dense_replace": AT_LEAST_0,
+    "model.tiny.partial_rotary_factor": SHARE_OPEN,
+    "model.tiny.rope_theta": POSITIVE,
+    "model.tiny.max_position_embeddings": AT_LEAST_1,
+    "model.params_total_b": POSITIVE,
+    "model.params_active_b": POSITIVE,
+    # data
+    "data.seed": AT_LEAST_0,
+    "data.sft_rows_per_task": AT_LEAST_1,
+    "data.rl_rows_per_task": AT_LEAST_1,
+    "data.eval_rows_per_task": AT_LEAST_1,
+    "data.pretrain_rows_per_task": AT_LEAST_0,  # 0 for hub models; `make base` refuses an empty pretrain split
+    "data.no_think_fraction": SHARE,
+    "data.tool_hasty_fraction": SHARE,
+    "data.tasks[].difficulty": AT_LEAST_0,
+    "data.extra_tasks[].difficulty": AT_LEAST_0,
+    "data.max_rows": AT_LEAST_1,
+    "data.hub_timeout_s": POSITIVE,
+    "data.max_pass_rate": SHARE,
+    # base and sft (TRL's SFTTrainer: max_steps -1 would mean "whole epochs", so steps are >= 1 here)
+    **{f"{t}.{k}": r for t in ("base", "sft") for k, r in {
+        "max_steps": AT_LEAST_1, "batch_size": AT_LEAST_1, "grad_accum": AT_LEAST_1, "lr": POSITIVE,
+        "weight_decay": AT_LEAST_0, "warmup_ratio": SHARE, "max_length": AT_LEAST_1, "save_steps": AT_LEAST_1,
+        "save_total_limit": AT_LEAST_1, "logging_steps": AT_LEAST_1, "threads": AT_LEAST_1,
+        "seed": AT_LEAST_0}.items()},
+    # rl
+    "rl.max_steps": AT_LEAST_1,
+    "rl.batch_size": AT_LEAST_1,
+    "rl.rollouts_per_example": Range(2),  # one rollout a prompt has no group to compare with: every group is flat
+    "rl.max_new_tokens": AT_LEAST_1,
+    "rl.temperature": POSITIVE,  # the trainer divides the logits by it; no greedy RL
+    "rl.lr": POSITIVE,
+    "rl.warmup_steps": AT_LEAST_0,
+    "rl.weight_decay": AT_LEAST_0,
+    "rl.max_grad_norm": POSITIVE,
+    "rl.max_async_level": AT_LEAST_0,  # 0: the synchronous baseline
+    "rl.max_off_policy_steps": AT_LEAST_0,
+    "rl.mask_ratio_low": Range(0, 1, low_open=True, high_open=True),
+    "rl.mask_ratio_high": Range(1, low_open=True),
+    "rl.sequence_mask_low": Range(0, 1, high_open=True),
+    "rl.checkpoint_every": AT_LEAST_1,
+    "rl.keep_checkpoints": AT_LEAST_1,
+    "rl.env_mix": AT_LEAST_0,  # each weight; their sum must be positive (validate)
+    "rl.gen_batch_size": AT_LEAST_1,
+    "rl.gen_threads": AT_LEAST_1,
+    "rl.train_threads": AT_LEAST_1,
+    "rl.micro_batch_size": AT_LEAST_1,
+    "rl.bench_steps": AT_LEAST_1,
+    "rl.max_pass_rate": SHARE,
+    "rl.vllm_port": Range(1, 65535),
+    "rl.vllm_gpu_memory_utilization": SHARE_OPEN,
+    "rl.vllm_tensor_parallel_size": AT_LEAST_1,
+    "rl.seed": AT_LEAST_0,
+    # eval (0 temperature = greedy)
+    "eval.samples": AT_LEAST_1,
+    "eval.pass_k": AT_LEAST_1,  # each k; at most eval.samples (validate)
+    "eval.temperature": AT_LEAST_0,
+    "eval.top_p": SHARE_OPEN,
+    "eval.max_new_tokens": AT_LEAST_1,
+    "eval.batch_size": AT_LEAST_1,
+    "eval.max_problems_per_task": AT_LEAST_1,
+    "eval.threads": AT_LEAST_1,
+    "eval.seed": AT_LEAST_0,
+    "eval.benchmark_max_problems": AT_LEAST_1,
+    "eval.hub_timeout_s": POSITIVE,
+    # each benchmark's own settings (null: the registry's or eval's); pass_k against the registry's samples
+    # is checked by recipe.eval.benchmarks.validate_benchmarks
+    "eval.benchmarks[].samples": AT_LEAST_1,
+    "eval.benchmarks[].pass_k": AT_LEAST_1,
+    "eval.benchmarks[].temperature": AT_LEAST_0,
+    "eval.benchmarks[].top_p": SHARE_OPEN,
+    "eval.benchmarks[].max_new_tokens": AT_LEAST_1,
+    "eval.benchmarks[].max_problems": AT_LEAST_1,
+    # launcher (the SLURM placement is checked by recipe.launch)
+    "launcher.nodes": AT_LEAST_1,
+    "launcher.trainer_nodes": AT_LEAST_1,
+    "launcher.inference_nodes": AT_LEAST_0,
+    "launcher.judge_nodes": AT_LEAST_0,
+    "launcher.gpus_per_node": AT_LEAST_0,
+    "launcher.inference_tp": AT_LEAST_1,
+    "launcher.health_timeout_s": AT_LEAST_1,
+}
+
+
+def _fail(msg: str):
+    raise ConfigError(f"config error: {msg}")
+
+
+def _numbers(node, path: str = ""):
+    """(key, value) of every int and float in the tree: list items as key[i], dict and list values each."""
+    if isinstance(node, (DictConfig, ListConfig)):
+        items = node.items_ex(resolve=True) if isinstance(node, DictConfig) else enumerate(node)
+        for k, v in items:
+            if isinstance(node, ListConfig):
+                key = f"{path}[{k}]"
+            else:
+                key = f"{path}.{k}" if path else str(k)
+            yield from _numbers(v, key)
+    elif isinstance(node, (int, float)) and not isinstance(node, bool):
+        yield path, node
+
+
+def _pattern(key: str) -> str:
+    """rl.env_mix.math -> rl.env_mix; data.tasks[3].difficulty -> data.tasks[].difficulty; eval.pass_k[0] ->
+    eval.pass_k: the RANGES entry a value falls under."""
+    key = re.sub(r"\[\d+\](?=.)", "[]", key)
+    key = re.sub(r"\[\d+\]$", "", key)
+    for dict_field in DICT_FIELDS:
+        if key.startswith(dict_field + "."):
+            return dict_field
+    return key
+
+
+def _check_ranges(cfg) -> None:
+    for key, value in _numbers(cfg):
+        pattern = _pattern(key)
+        if pattern.endswith("[].params"):
+            continue  # a tiny task's generator arguments (data.tasks[].params): the generator takes or refuses them
+        rng = RANGES.get(pattern)
+        if rng is None:
+            raise KeyError(f"recipe/config.py: RANGES has no entry for {pattern}")  # a schema field added without one
+        if value not in rng:
+            kind = "an integer" if isinstance(value, int) else "a number"
+            _fail(f"{key} must be {kind} {rng}, got {value}")
+
+
+# -- keys the schema does not have ---------------------------------------------------------------------------
+def _field_types(tp) -> dict:
+    """name -> the dataclass a field holds (a list's item type for List[...]), dict for Dict[...], else None."""
+    out = {}
+    for name, t in typing.get_type_hints(tp).items():
+        origin, args = typing.get_origin(t), typing.get_args(t)
+        if origin in (list, List) and args and dataclasses.is_dataclass(args[0]):
+            t = args[0]
+        out[name] = t if dataclasses.is_dataclass(t) else dict if origin in (dict, Dict) else None
+    return out
+
+
+def _dict_fields(tp=None, prefix: str = "") -> set[str]:
+    """Dotted keys of the schema fields typed Dict[...], whose keys are free (e.g. rl.env_mix)."""
+    out = set()
+    hints = typing.get_type_hints(tp or Config)
+    for name, t in _field_types(tp or Config).items():
+        if t is dict:
+            out.add(prefix + name)
+        elif t is not None:
+            is_list = typing.get_origin(hints[name]) in (list, List)
+            out |= _dict_fields(t, f"{prefix}{name}{'[]' if is_list else ''}.")
+    return out
+
+
+DICT_FIELDS = _dict_fields()
+
+
+def _suggest(word: str, choices) -> str:
+    close = difflib.get_close_matches(word, list(choices), n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(close)}?" if close else ""
+
+
+def unknown_key_message(key: str) -> str:
+    """What to say about a key the schema does not have (typed on the command line, added with + or ++, or in a
+    config file). Keys under a dict field (rl.env_mix.<env>) are free and never land here."""
+    parent, _, name = key.rpartition(".")
+    tp = Config
+    for part in [p for p in re.sub(r"\[\d*\]", "", parent).split(".") if p]:
+        inner = _field_types(tp).get(part)
+        if not dataclasses.is_dataclass(inner):
+            break
+        tp = inner
+    known = [f.name for f in dataclasses.fields(tp)]
+    where = f"{parent} ({tp.__name__})" if parent else "the top level"
+    return f"unknown key {key}: {where} has no key '{name}'{_suggest(name, known)}"
+
+
+def _check_keys(node, path: str = "") -> None:
+    """Every key in the tree is a schema field: hydra's `+key=value` and `++key=value` add keys to the typed
+    config (it opens the struct flag to do so), which the merge into the schema would otherwise keep."""
+    if isinstance(node, (DictConfig, ListConfig)) and node._is_none():  # an Optional container set to null
+        return
+    if isinstance(node, ListConfig):
+        for i, item in enumerate(node):
+            _check_keys(item, f"{path}[{i}]")
+        return
+    if not isinstance(node, DictConfig):
+        return
+    tp = OmegaConf.get_type(node)
+    if dataclasses.is_dataclass(tp):
+        fields = {f.name for f in dataclasses.fields(tp)}
+        for k in node.keys():
+            if k not in fields:
+                _fail(unknown_key_message(f"{path}.{k}" if path else str(k)))
+    for k, child in node.items_ex(resolve=False):
+        _check_keys(child, f"{path}.{k}" if path else str(k))
+
+
+# -- checks that span keys -------------------------------------------------------------------------------------
 def validate(cfg) -> None:
-    """Checks across keys (single values are typed by the schema)."""
-    for key in ("rl.mask_ratio_low", "rl.temperature", "eval.samples", "rl.rollouts_per_example", "rl.batch_size"):
-        if OmegaConf.select(cfg, key) <= 0:
-            raise ConfigError(f"config error: {key} must be positive, got {OmegaConf.select(cfg, key)}")
-    if any(w < 0 for w in cfg.rl.env_mix.values()) or sum(cfg.rl.env_mix.values()) <= 0:
-        raise ConfigError(f"config error: rl.env_mix needs non-negative weights with a positive sum, "
-                          f"got {dict(cfg.rl.env_mix)}")
-    if cfg.eval.benchmark_max_problems is not None and cfg.eval.benchmark_max_problems <= 0:
-        raise ConfigError(f"config error: eval.benchmark_max_problems must be positive, "
-                          f"got {cfg.eval.benchmark_max_problems}")
+    """Every check of the composed config: keys the schema has, values that resolve, the valid range of each
+    number (RANGES), and the checks that span keys. load_config runs it; the stages see only valid configs."""
+    _check_keys(cfg)
+    try:
+        OmegaConf.to_container(cfg, resolve=True)
+    except OmegaConfBaseException as e:  # ${...} that points nowhere
+        _fail(f"{getattr(e, 'full_key', '') or 'a value'} does not resolve: {str(e).splitlines()[0]}")
+    _check_ranges(cfg)
+
+    if sum(cfg.rl.env_mix.values()) <= 0:
+        _fail(f"rl.env_mix needs non-negative weights with a positive sum, got {dict(cfg.rl.env_mix)}")
+    bad_k = [k for k in cfg.eval.pass_k if k > cfg.eval.samples]
+    if bad_k:
+        _fail(f"eval.pass_k={list(cfg.eval.pass_k)} must lie in 1..eval.samples ({cfg.eval.samples}): "
+              f"pass@k needs k samples a problem")
+    if cfg.rl.max_off_policy_steps < cfg.rl.max_async_level:
+        _fail(f"rl.max_off_policy_steps ({cfg.rl.max_off_policy_steps}) must be >= rl.max_async_level "
+              f"({cfg.rl.max_async_level}): the engine would cancel requests the trainer may still take")
+    m = cfg.model
+    if m.params_total_b is not None and m.params_active_b is not None and m.params_active_b > m.params_total_b:
+        _fail(f"model.params_active_b ({m.params_active_b}) must be <= model.params_total_b ({m.params_total_b})")
+
+    if m.hub_id is None:  # the tiny model of `make base`: its architecture and context are known here
+        arch = m.tiny
+        if arch.num_attention_heads % arch.num_key_value_heads:
+            _fail(f"model.tiny.num_attention_heads ({arch.num_attention_heads}) must be a multiple of "
+                  f"model.tiny.num_key_value_heads ({arch.num_key_value_heads})")
+        if arch.num_experts_per_tok > arch.n_routed_experts:
+            _fail(f"model.tiny.num_experts_per_tok ({arch.num_experts_per_tok}) must be <= "
+                  f"model.tiny.n_routed_experts ({arch.n_routed_experts})")
+        if arch.first_k_dense_replace > arch.num_hidden_layers:
+            _fail(f"model.tiny.first_k_dense_replace ({arch.first_k_dense_replace}) must be <= "
+                  f"model.tiny.num_hidden_layers ({arch.num_hidden_layers})")
+        ctx = arch.max_position_embeddings
+        # a completion needs room for its prompt: the tiny prompts are tens of tokens
+        for key in ("rl.max_new_tokens", "eval.max_new_tokens"):
+            value = OmegaConf.select(cfg, key)
+            if value + MIN_PROMPT_TOKENS > ctx:
+                _fail(f"{key} ({value}) plus a prompt ({MIN_PROMPT_TOKENS} tokens or more) must fit the model's "
+                      f"context, model.tiny.max_position_embeddings ({ctx})")
+        for key in ("base.max_length", "sft.max_length"):
+            value = OmegaConf.select(cfg, key)
+            if value > ctx:
+                _fail(f"{key} ({value}) must be <= the model's context, model.tiny.max_position_embeddings ({ctx})")
+    # A hub model's context (max_position_embeddings in its config.json) is known only once its files are in
+    # hand, so it is not checked here: vLLM refuses a max_tokens beyond max_model_len when it serves the model,
+    # and TRL truncates SFT rows to sft.max_length.
+
+
+MIN_PROMPT_TOKENS = 16  # no tiny prompt is shorter (the instruction alone is longer)
+
+
+# -- composition -------------------------------------------------------------------------------------------
+def _compose(overrides: List[str]):
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+def _replacing_dicts(overrides: List[str]) -> tuple[List[str], dict]:
+    """A dict given whole for a dict field (`rl.env_mix={math:1.0}`) replaces the preset's, where hydra would
+    merge the two: each key the field has at that point and the dict lacks is deleted first (`~rl.env_mix.logic`,
+    which hydra does take). Group choices (`preset=...`, `rl=...`) apply before any value, as in hydra."""
+    parser, parsed = OverridesParser.create(), []
+    for line in overrides:
+        try:
+            parsed.append(parser.parse_overrides([line])[0])
+        except Exception:  # a bad override: compose reports it
+            parsed.append(None)
+    groups = [line for line, ov in zip(overrides, parsed)
+              if ov is not None and "." not in ov.key_or_group and (CONFIG_DIR / ov.key_or_group).is_dir()]
+    out: List[str] = []
+    typed = {}  # override as rewritten -> as the user typed it (for error messages)
+    for line, ov in zip(overrides, parsed):
+        if (ov is not None and ov.key_or_group in DICT_FIELDS and isinstance(ov.value(), dict)
+                and ov.type in (OverrideType.CHANGE, OverrideType.FORCE_ADD)):
+            current = OmegaConf.select(_compose(groups + [o for o in out if o not in groups]), ov.key_or_group)
+            out += [f"~{ov.key_or_group}.{k}" for k in current if k not in ov.value()]
+            rewritten = f"++{ov.key_or_group}={line.split('=', 1)[1]}"  # ++: the dict may bring new keys
+            typed[rewritten], line = line, rewritten
+        out.append(line)
+    return out, typed
+
+
+def _composition_error(e: Exception) -> str:
+    """hydra's and omegaconf's errors, as one line that names the key or file."""
+    text = str(e)
+    m = re.match(r"In '[^']*': Could not find '([^']+)/([^']+)'", text)
+    if m:
+        group, name = m.groups()
+        options = sorted(p.stem for p in (CONFIG_DIR / group).glob("*.yaml"))
+        return (f"{group}={name}: there is no configs/{group}/{name}.yaml (known: {', '.join(options)})"
+                f"{_suggest(name, options)}")
+    cause = e.__cause__
+    override = re.search(r"(?:override|overriding) '?(\S+?)'?\.?$", text.splitlines()[0])
+    line = override.group(1) if override else None
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)):
+        key = getattr(cause, "full_key", "") or ""
+        target = line.split("=")[0].lstrip("+~") if line else ""
+        if target and key != target and not key.startswith(target + "."):
+            key = f"{target}[].{key}"  # a key inside a list item: omegaconf names it alone (data.tasks=[{tsk:1}])
+        if any(key.startswith(d + ".") for d in DICT_FIELDS):
+            field_name, _, entry = key.rpartition(".")
+            return (f"{field_name} has no entry '{entry}' to change: add one with +{key}=<value>, or give the "
+                    f"whole {field_name}={{...}}, which replaces it")
+        return unknown_key_message(key)
+    if cause is not None:
+        detail = str(cause).splitlines()[0]
+        where = text.split("override", 1)[-1].strip() if "override" in text else getattr(cause, "full_key", "")
+        return f"{where}: {detail}"
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.startswith(("full_key", "Config search",
+                                                                                         "\tprovider"))]
+    return "; ".join(lines[:2]) or type(e).__name__
 
 
 def load_config(overrides: List[str] | None = None):
     """Compose configs/config.yaml with `key=value` overrides into a validated, read-only config."""
     overrides = list(overrides or [])
+    typed: dict = {}
     try:
-        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-            cfg = compose(config_name="config", overrides=overrides)
+        lines, typed = _replacing_dicts(overrides)
+        cfg = _compose(lines)
     except Exception as e:  # hydra and omegaconf raise several types; all mean "bad config"
-        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip() and not ln.startswith("full_key")]
-        msg = "; ".join(lines[:2]) or type(e).__name__
+        msg = _composition_error(e)
+        for rewritten, line in typed.items():
+            msg = msg.replace(rewritten, line)
         raise ConfigError(f"config error: {msg}") from None
     validate(cfg)
     OmegaConf.set_readonly(cfg, True)

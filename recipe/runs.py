@@ -386,6 +386,12 @@ def stage_main(fn):
             detail = e.detail or "it is not marked done: the next run resumes it from its last checkpoint, or redoes it"
             print(f"{name}: stopped by {signal.Signals(e.signum).name}; {detail}", file=sys.stderr)
             sys.exit(128 + e.signum)
+        except OSError as e:  # the file system refused a path: read-only, full, a file where a folder goes
+            if os.environ.get("RECIPE_DEBUG") or e.filename is None:
+                raise
+            print(f"error: cannot write or read {e.filename}: {e.strerror} (check run_root and its permissions)",
+                  file=sys.stderr)
+            sys.exit(2)
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)

@@ -72,10 +72,16 @@ def assert_file_composed(cfg, group: str, name: str) -> None:
     assert_within(expected, OmegaConf.to_container(cfg[group], resolve=True), group)
 
 
+def selecting_preset(group: str, name: str) -> list[str]:
+    """preset=P for a preset that selects group/name, or nothing (the default preset) for override-only files:
+    a group file may fit only its own preset's model (rl/gpu_small's 512 new tokens overrun the tiny context)."""
+    return next(([f"preset={p}"] for p in PRESETS if preset_choices(CONFIG_DIR, p).get(group) == name), [])
+
+
 @pytest.mark.parametrize("group,name", [gn for gn in group_files(CONFIG_DIR) if gn[0] != "preset"],
                          ids=lambda x: x)
 def test_every_group_file_composes_into_the_schema_when_selected(group, name):
-    cfg = load_config([f"{group}={name}"])  # over the default preset: the choice on the command line wins
+    cfg = load_config([*selecting_preset(group, name), f"{group}={name}"])  # the choice on the command line wins
     assert_file_composed(cfg, group, name)
 
 
@@ -234,3 +240,78 @@ def test_cli_prints_one_line_error_and_exit_2(tmp_path):
     assert res.returncode == 2
     assert res.stderr.strip().startswith("error: config error") and "lrr" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+# -- valid ranges, keys added with +, dicts that replace ---------------------------------------------------
+def numeric_fields(tp, prefix: str = "") -> set[str]:
+    """Dotted keys of every int and float of the schema (list items as `[]`, a dict's or list's values as the
+    field itself), from the dataclasses' type hints."""
+    import dataclasses
+    import typing
+
+    out = set()
+    for name, t in typing.get_type_hints(tp).items():
+        is_list = False
+        while typing.get_origin(t) in (typing.Union, list, dict):  # Optional[...], List[...], Dict[str, ...]
+            is_list |= typing.get_origin(t) is list
+            t = [a for a in typing.get_args(t) if a is not type(None)][-1]
+        if dataclasses.is_dataclass(t):
+            out |= numeric_fields(t, f"{prefix}{name}{'[]' if is_list else ''}.")
+        elif t in (int, float):
+            out.add(prefix + name)
+    return out
+
+
+def test_every_number_of_the_schema_has_a_valid_range_and_every_range_a_number():
+    from recipe.config import RANGES, Config
+
+    assert numeric_fields(Config) == set(RANGES)
+
+
+def test_every_preset_value_is_within_its_range():
+    for preset in PRESETS:
+        load_config([f"preset={preset}"])  # validate() runs the RANGES table
+
+
+@pytest.mark.parametrize("override", ["+rl.foo=1", "++rl.foo=1", "+model.tiny.foo=1", "+foo=1",
+                                      "+data.tasks.0.foo=1", "+eval.benchmarks=[{name:hle,foo:1}]"])
+def test_keys_added_with_plus_must_be_schema_keys(override):
+    key = "foo"
+    with pytest.raises(ConfigError, match=f"unknown key .*{key}") as e:
+        load_config([override])
+    assert "+" not in str(e.value)  # no advice to add the key with +
+
+
+def test_plus_adds_entries_to_dict_fields_only():
+    cfg = load_config(["+rl.env_mix.science=0.5", "+data.tasks.0.params.extra=1"])
+    assert cfg.rl.env_mix["science"] == 0.5 and cfg.data.tasks[0].params["extra"] == 1
+
+
+@pytest.mark.parametrize("overrides", [["rl.env_mix={math:0.5,science:0.5}"],
+                                       ["rl.env_mix={math:0.5,science:0.5}", "preset=intellect3"],
+                                       ["preset=intellect3", "++rl.env_mix={math:0.5,science:0.5}"]])
+def test_a_dict_on_the_command_line_replaces_the_presets_mix(overrides):
+    assert dict(load_config(overrides).rl.env_mix) == {"math": 0.5, "science": 0.5}
+
+
+def test_env_mix_entries_stay_typed_and_later_overrides_apply_on_top():
+    cfg = load_config(["rl.env_mix={math:1,logic:1}", "rl.env_mix.logic=0.25", "~rl.env_mix.math",
+                       "+rl.env_mix.code=0.75"])
+    assert dict(cfg.rl.env_mix) == {"logic": 0.25, "code": 0.75}
+    with pytest.raises(ConfigError, match=re.escape("rl.env_mix={math:abc}: Value 'abc'")):
+        load_config(["rl.env_mix={math:abc}"])
+
+
+def test_closed_choices_are_those_the_libraries_take():
+    import torch
+    from transformers.trainer_utils import SchedulerType
+
+    from recipe.config import DType, SchedulerKind
+
+    assert {s.value for s in SchedulerKind} <= {s.value for s in SchedulerType}
+    assert all(isinstance(getattr(torch, d), torch.dtype) for d in DType)
+
+
+def test_a_hub_models_context_is_not_checked_against_the_tiny_one():
+    cfg = load_config(["preset=gpu_small", "rl.max_new_tokens=4096", "sft.max_length=8192"])
+    assert cfg.rl.max_new_tokens == 4096  # Qwen3's context is known from its config.json, not here

@@ -19,7 +19,7 @@ def test_done_only_after_finish_and_config_change_is_an_error(cfg_factory):
         other.is_done()
     assert not Stage(cfg_factory("data.seed=7", "force=true"), "data").is_done()
     # sections a stage does not read do not invalidate it
-    assert Stage(cfg_factory("eval.samples=2"), "data").is_done()
+    assert Stage(cfg_factory("eval.samples=8"), "data").is_done()
 
 
 def test_require_done_names_the_missing_stage(cfg_factory):

@@ -5,10 +5,10 @@ Presets with a hub model have nothing to do here: their base model is the hub id
 """
 from __future__ import annotations
 
-import pyarrow.parquet as pq
 from datasets import Dataset
 
-from recipe.data.schema import read_split
+from recipe.data.schema import read_split, read_text_split
+from recipe.errors import DataError
 from recipe.model import build_tiny_model, build_tokenizer
 from recipe.runs import Stage, stage_main
 from recipe.sft import train_supervised
@@ -16,7 +16,10 @@ from recipe.sft import train_supervised
 
 def base_stage(stage: Stage, upstream: dict) -> dict:
     cfg, data_dir = stage.cfg, upstream["data"]
-    pretrain = pq.read_table(data_dir / "pretrain.parquet").column("text").to_pylist()
+    pretrain = read_text_split(data_dir, "pretrain")
+    if not pretrain:
+        raise DataError(f"{data_dir / 'pretrain.parquet'} has no rows: `make base` pretrains the tiny model on "
+                        f"them (data.pretrain_rows_per_task >= 1)")
     sft_rows = read_split(data_dir, "sft")
     # the tokenizer sees the chat-formatted SFT text too, so the format's strings get their own merges
     chat_texts = [r["prompt"][0]["content"] + r["completion"][0]["content"] for r in sft_rows]

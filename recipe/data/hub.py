@@ -130,7 +130,10 @@ def rl_row(raw: dict, subset: str, index: int, data_cfg) -> dict:
     if column is None:
         raise DataError(f"{where}: no pass-rate column (avg@k) to filter on (columns: {sorted(raw)})")
     value = raw[column]
-    rate = float("nan") if value is None else float(value)  # NaN: unknown, never filtered
+    try:
+        rate = float("nan") if value is None else float(value)  # NaN: unknown, never filtered
+    except (TypeError, ValueError):
+        raise DataError(f"{where}: pass rate {column}={str(value)[:40]!r} is not a number") from None
     text = f"{MATH_INSTRUCTION}\n{raw['question']}" if subset == "math" else raw["question"]
     entry = _entry(raw.get("info"), where)
     ds = data_cfg.rl_dataset

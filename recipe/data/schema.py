@@ -45,12 +45,24 @@ def too_easy(row: dict, max_pass_rate: float | None) -> bool:
     return max_pass_rate is not None and not math.isnan(rate) and rate > max_pass_rate
 
 
+def check_row(row: dict, where: str) -> None:
+    """What every stage relies on in a row: messages with a text role and content, and a prompt to answer
+    (SFT rows may carry the whole conversation in the completion)."""
+    prompt, completion = row.get("prompt") or [], row.get("completion") or []
+    if not prompt and row.get("split") != "sft":
+        raise DataError(f"{where}: the prompt has no message")
+    for m in list(prompt) + list(completion):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DataError(f"{where}: malformed message {str(m)[:120]}: role and content must be text")
+
+
 def write_rows(rows: list[dict], path: Path) -> str:
     """Validate rows against the schema and write them atomically; returns the file's sha256."""
     for i, row in enumerate(rows):
         missing = [k for k in REQUIRED if k not in row]
         if missing:
             raise DataError(f"{path}: row {i} lacks key(s) {missing}")
+        check_row(row, f"{path}: row {i} (id {row['id']!r})")
     return write_parquet(rows, SCHEMA, path)
 
 
@@ -62,7 +74,7 @@ def write_parquet(rows: list[dict], schema: pa.Schema, path: Path) -> str:
     return sha256_file(path)
 
 
-def read_rows(path: Path, expected_sha256: str | None = None) -> list[dict]:
+def read_rows(path: Path, expected_sha256: str | None = None, schema: pa.Schema = SCHEMA) -> list[dict]:
     """Read a data file, naming the file in every error: missing, corrupt, or of another schema."""
     path = Path(path)
     if not path.exists():
@@ -74,23 +86,55 @@ def read_rows(path: Path, expected_sha256: str | None = None) -> list[dict]:
         table = pq.read_table(path)
     except Exception as e:  # pyarrow raises several types for a damaged file
         raise DataError(f"data file {path} is not readable parquet: {e}") from None
-    missing = [k for k in REQUIRED if k not in table.column_names]
+    missing = [f.name for f in schema if f.name not in table.column_names]
     if missing:
         raise DataError(f"data file {path} lacks column(s) {missing}")
-    return table.to_pylist()
+    for f in schema:
+        if table.schema.field(f.name).type != f.type:
+            raise DataError(f"data file {path}: column {f.name} is {table.schema.field(f.name).type}, "
+                            f"expected {f.type}")
+    try:
+        rows = table.to_pylist()
+    except UnicodeDecodeError:
+        raise DataError(f"data file {path}: {_undecodable(table)} is not UTF-8 text") from None
+    if schema is SCHEMA:
+        for i, row in enumerate(rows):
+            check_row(row, f"data file {path}: row {i} (id {row['id']!r})")
+    return rows
 
 
-def read_split(data_dir: Path, split: str) -> list[dict]:
-    """Read one split through the data manifest, so that a corrupt file is caught before it is trained on."""
+def _undecodable(table: pa.Table) -> str:
+    """'row i, column c' of the first value that is not UTF-8 (found again, value by value: the error path)."""
+    for i in range(table.num_rows):
+        for name in table.column_names:
+            try:
+                table.column(name)[i].as_py()
+            except UnicodeDecodeError:
+                return f"row {i}, column {name}"
+    return "a value"
+
+
+def split_file(data_dir: Path, split: str) -> tuple[Path, str]:
+    """(file, sha256) of one split, from the data manifest."""
     data_dir = Path(data_dir)
     manifest_path = data_dir / "data_manifest.json"
     if not manifest_path.exists():
         raise DataError(f"{manifest_path} is missing: run `make data` first")
     try:
         files = json.loads(manifest_path.read_text())["files"]
-    except (json.JSONDecodeError, KeyError) as e:
+        name = f"{split}.parquet"
+        if name not in files:
+            raise DataError(f"{manifest_path} lists no split '{split}' (has {sorted(files)})")
+        return data_dir / name, files[name]["sha256"]
+    except (ValueError, KeyError, TypeError) as e:  # not JSON, not UTF-8, or not the manifest's layout
         raise DataError(f"{manifest_path} is corrupt ({e}): rerun `make data ARGS=force=true`") from None
-    name = f"{split}.parquet"
-    if name not in files:
-        raise DataError(f"{manifest_path} lists no split '{split}' (has {sorted(files)})")
-    return read_rows(data_dir / name, files[name]["sha256"])
+
+
+def read_split(data_dir: Path, split: str) -> list[dict]:
+    """Read one split through the data manifest, so that a corrupt file is caught before it is trained on."""
+    return read_rows(*split_file(data_dir, split))
+
+
+def read_text_split(data_dir: Path, split: str = "pretrain") -> list[str]:
+    """The plain-text split of the tiny base model, through the data manifest."""
+    return [r["text"] for r in read_rows(*split_file(data_dir, split), schema=TEXT_SCHEMA)]

@@ -13,10 +13,11 @@ import warnings
 
 from recipe.chat import OBSERVATION, tool_call, tool_response
 from recipe.data.schema import message
+from recipe.envs import ENVIRONMENTS
 from recipe.envs.math import INSTRUCTION as MATH_INSTRUCTION
 from recipe.envs.tools import INSTRUCTION as TOOLS_INSTRUCTION
 from recipe.envs.tools import TOOL_SPECS
-from recipe.errors import DataError
+from recipe.errors import ConfigError, DataError
 
 SPLIT_BUCKETS = {"eval": range(0, 2), "rl": range(2, 6), "sft": range(6, 20)}  # of 20 buckets
 
@@ -180,7 +181,16 @@ def build_tiny(data_cfg) -> dict[str, list[dict]]:
     for t_idx, spec in enumerate(list(data_cfg.tasks) + list(getattr(data_cfg, "extra_tasks", []))):
         # draw a pool large enough that the smallest split fills up (eval holds 2 of 20 buckets)
         pool_size = max(14 * want["eval"], 3 * (want["sft"] + want["rl"] + want["eval"]))
-        pool = task_items(spec, pool_size, data_cfg.seed * 1000 + t_idx)
+        n = len(data_cfg.tasks)
+        key = f"data.tasks[{t_idx}]" if t_idx < n else f"data.extra_tasks[{t_idx - n}]"
+        if spec.env not in ENVIRONMENTS:
+            raise ConfigError(f"config error: {key}.env={spec.env!r} is not an environment "
+                              f"(known: {', '.join(sorted(ENVIRONMENTS))})")
+        try:
+            pool = task_items(spec, pool_size, data_cfg.seed * 1000 + t_idx)
+        except (TypeError, ValueError, AssertionError) as e:  # the generator refuses its arguments
+            raise ConfigError(f"config error: {key}.params={dict(spec.params)}: task '{spec.task}' refuses them: "
+                              f"{e}") from None
         seen, by_split = set(), {"sft": [], "rl": [], "eval": []}
         for question, answer, trace, entry, diff in pool:
             text = prompt_text(spec.env, question)

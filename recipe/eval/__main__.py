@@ -76,8 +76,12 @@ def _up_to_date(folder: Path, key: str) -> bool:
     path = folder / "results.json"
     if not path.exists():
         return False
-    res = json.loads(path.read_text())
-    if res.get("key") != key:
+    try:
+        res = json.loads(path.read_text())
+    except ValueError:  # damaged (not JSON, not UTF-8): redone from scratch, like a results file of another key
+        print(f"eval: {path} is damaged; evaluating again")
+        res = {}
+    if not isinstance(res, dict) or res.get("key") != key:
         for f in folder.iterdir():
             if f.is_file():
                 f.unlink()

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from recipe.errors import DataError
 from recipe.eval.benchmarks import PAPER_ORDER, REGISTRY
 from recipe.runs import stage_dir, stage_main, write_atomic
 
@@ -21,12 +22,20 @@ PAPER_SCORES = {
 FULL_PRESET = "intellect3"  # the full-scale run whose rows the paper's table is set beside
 
 
+def read_json(path: Path, text: str | None = None, where: str = ""):
+    """A JSON file (or line) of runs/, or a DataError that names it."""
+    try:
+        return json.loads(path.read_text() if text is None else text)
+    except ValueError as e:  # not JSON, or not UTF-8
+        raise DataError(f"{path}{where} is damaged ({e}): rerun the command that wrote it") from None
+
+
 def load_results(cfg) -> dict[str, dict]:
     out = {}
     for name in ["base", "sft", "rl"]:
         p = stage_dir(cfg, "eval") / name / "results.json"
         if p.exists():
-            out[name] = json.loads(p.read_text())
+            out[name] = read_json(p)
     return out
 
 
@@ -57,7 +66,7 @@ def tiny_table(cfg, results: dict[str, dict]) -> str:
 def _bench_json(cfg, name: str) -> dict | None:
     """runs/<preset>/bench/<name>.json as a bench command wrote it, or None before it ran."""
     path = stage_dir(cfg, "bench") / f"{name}.json"
-    return json.loads(path.read_text()) if path.exists() else None
+    return read_json(path) if path.exists() else None
 
 
 def bench_section(cfg) -> str:
@@ -100,7 +109,7 @@ def sandbox_section(cfg) -> str:
 def _benchmark_cell(path: Path, paper_k: int) -> str:
     if not path.exists():
         return "not run"
-    r = json.loads(path.read_text())
+    r = read_json(path)
     b, proto = r["benchmark"], r["protocol"]
     k = proto["samples"]
     if f"avg@{k}" not in b:
@@ -161,7 +170,7 @@ def stage_table(cfg) -> str:
     for name in ["data", "base", "sft", "rl"]:
         p = stage_dir(cfg, name) / "manifest.json"
         if p.exists():
-            m = json.loads(p.read_text())
+            m = read_json(p)
             commit = _commit(m)
             out.append(f"| {name} | {m['wall_s']:.0f} | `{m['config_hash']}` | {commit} | `make {name} "
                        f"PRESET={cfg.preset}` |\n")
@@ -181,7 +190,13 @@ def rl_summary(rl: list[dict]) -> str:
 
 
 def _read_metrics(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    if not path.exists():
+        return []
+    try:
+        lines = path.read_text().splitlines()
+    except ValueError as e:
+        raise DataError(f"{path} is damaged ({e}): rerun the command that wrote it") from None
+    return [read_json(path, x, f" line {n}") for n, x in enumerate(lines, 1) if x.strip()]
 
 
 def write_curves(cfg, png: Path, rl: list[dict]) -> bool:

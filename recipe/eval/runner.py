@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from recipe.chat import completion_text, encode_prompt, parse_final_answer
 from recipe.envs import get_env
+from recipe.errors import DataError
 from recipe.eval.metrics import breakdown
 from recipe.inference.engine import Generator
 from recipe.rollout import SamplingParams, Transcript, next_reply, score_in_threads, score_sample
@@ -32,12 +33,18 @@ def load_done(path: Path, k: int) -> dict[str, list[dict]]:
     """Samples already written, by problem id; a problem counts only with all k samples (a kill mid-write)."""
     done: dict[str, list[dict]] = {}
     if path.exists():
-        for line in path.read_text().splitlines():
+        for n, raw in enumerate(path.read_bytes().splitlines(), 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:  # a kill cuts lines, it does not write foreign bytes
+                raise DataError(f"{path} line {n} is not UTF-8 text (the file is damaged): delete it to "
+                                f"evaluate this checkpoint again") from None
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut by a kill
-            done.setdefault(rec["id"], []).append(rec)
+            if isinstance(rec, dict) and "id" in rec:
+                done.setdefault(rec["id"], []).append(rec)
     return {pid: recs for pid, recs in done.items() if len(recs) >= k}
 
 

@@ -5,9 +5,11 @@ Glm4MoeForCausalLM of about a million parameters. Real presets: the hub model id
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoModelForCausalLM, AutoTokenizer, Glm4MoeConfig, Glm4MoeForCausalLM,
                           PreTrainedTokenizerFast)
@@ -54,22 +56,47 @@ def build_tiny_model(arch, tokenizer, seed: int = 0):
     return model
 
 
+HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")  # owner/name (or name): anything else is a local path
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
+def check_model_folder(folder: Path) -> None:
+    """A local model folder has its config, tokenizer and weights (what save_pretrained writes)."""
+    if not folder.is_dir():
+        raise StageError(f"model folder {folder} is not a folder")
+    missing = [n for n in ("config.json", "tokenizer.json", "tokenizer_config.json") if not (folder / n).exists()]
+    if not any((folder / n).exists() for n in WEIGHTS):
+        missing.append(" or ".join(WEIGHTS))
+    if missing:
+        raise StageError(f"model folder {folder} lacks {', '.join(missing)}: redo the stage that wrote it "
+                         f"(force=true)")
+
+
 def load_pretrained(path_or_id: str, revision: str | None = None, dtype: str = "float32",
                     attn_implementation: str = "sdpa"):
     """Load model and tokenizer from a local folder, or from the hub at a pinned revision (clear error offline)."""
     local = Path(path_or_id).exists()
     kwargs = {}
-    if not local:
+    if local:
+        check_model_folder(Path(path_or_id))
+    elif not revision and not HUB_ID.match(str(path_or_id)):
+        raise StageError(f"model folder {path_or_id} does not exist: redo the stage that wrote it (force=true)")
+    else:
         if not revision:
             raise StageError(f"model {path_or_id}: no revision given; every hub reference must be pinned")
         hub.ensure_reachable([hub.Ref("models", path_or_id, revision)], timeout=10.0)
         kwargs = {"revision": revision, "local_files_only": hub.offline()}
+    what = "tokenizer"
     try:
         tokenizer = AutoTokenizer.from_pretrained(path_or_id, **kwargs)
+        what = "model"
         model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=getattr(torch, dtype),
                                                      attn_implementation=attn_implementation, **kwargs)
-    except OSError as e:
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:  # a damaged or foreign file
         where = "the local folder" if local else (f"the local HF cache at revision {revision} (offline mode is on; "
                                                   f"{hub.HOWTO})" if hub.offline() else f"the hub at revision {revision}")
-        raise StageError(f"cannot load model {path_or_id} from {where}: {str(e).splitlines()[0]}") from None
+        detail = str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, SafetensorError):
+            detail = f"a weights file is truncated or corrupt ({detail})"
+        raise StageError(f"cannot load the {what} of {path_or_id} from {where}: {detail}") from None
     return model, tokenizer

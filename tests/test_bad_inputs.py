@@ -1,0 +1,548 @@
+"""Bad input, and what you see: every row of README's table of that name is a case here, and every case a row.
+
+A case runs a stage's entry point in-process (what `python -m recipe.<stage> ARGS` runs; stage_main prints the
+error and exits) and checks the one line on stderr, the exit code, and that no traceback escaped. Cases without a
+command (a hub row, an orchestrator input) call the function that reads the input and check the RecipeError that
+the stage would print. A handful run as real subprocesses, for the exit code and stderr of the process itself.
+
+In messages, `<runs>` is the run root and `…` stands for any text (hashes, library wording).
+"""
+from __future__ import annotations
+
+import errno
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from recipe.errors import RecipeError
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Case:
+    input: str  # the README row's "bad input"
+    command: str  # the README row's command: `make STAGE ARGS=...`, or the function that reads the input
+    message: str  # what you see: the line on stderr (or its stable beginning)
+    args: list[str] = field(default_factory=list)
+    setup: Callable | None = None  # setup(root, cfg, monkeypatch): the run folders the case needs
+    call: Callable | None = None  # for cases without a command: call(tmp_path) raises the RecipeError
+    exit: int = 2
+
+    @property
+    def stage(self) -> str:
+        return "data" if self.command == ANY_STAGE else self.command.split()[1]
+
+    def readme_row(self) -> list[str]:
+        """bad input | command | what you see | exit, as the README's table has them."""
+        if self.call is not None or self.command == ANY_STAGE:
+            command = self.command
+        else:
+            command = f"`{self.command}" + (f' ARGS="{" ".join(self.args)}"' if self.args else "") + "`"
+        return [self.input, command, f"`` {self.message} ``", str(self.exit)]
+
+
+ANY_STAGE = "any stage"  # config errors: every stage loads the config first (the test runs `make data`)
+
+
+def config_case(override: str, message: str) -> Case:
+    return Case(f"`{override}`", ANY_STAGE, message, args=[override])
+
+
+# -- run folders ---------------------------------------------------------------------------------------------
+def row(i: int = 0, **kw) -> dict:
+    from recipe.data.schema import message
+
+    r = {"id": f"q{i}", "env": "math", "task": "add", "split": "eval", "prompt": [message("user", f"What is {i}+1?")],
+         "completion": [], "answer": str(i + 1), "info": "{}", "difficulty": 0.0, "tools": "[]"}
+    return {**r, **kw}
+
+
+def sft_rows() -> list[dict]:
+    from recipe.data.schema import message
+
+    return [row(i, split="sft", completion=[message("assistant", f"<think>\n</think>\n{i + 1}")]) for i in range(4)]
+
+
+def table_bytes(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+def finish_data(cfg, monkeypatch, **files) -> Path:
+    """A finished data stage, through the data stage itself: each split's rows, or raw bytes for a file written
+    as is (its sha256 goes into the manifest, as `make data` would have written it)."""
+    from recipe.config import DataSource
+    from recipe.data import __main__ as data_main
+    from recipe.runs import Stage, sha256_file
+
+    splits = {"sft": sft_rows(), "rl": [row(i, split="rl") for i in range(4)], "eval": [row(i) for i in range(2)],
+              "pretrain": [{"text": "1+1=2"}]}
+    raw = {k: v for k, v in files.items() if isinstance(v, bytes)}
+    splits.update({k: v for k, v in files.items() if not isinstance(v, bytes)})
+    monkeypatch.setitem(data_main.BUILDERS, DataSource.tiny, lambda data_cfg: splits)
+
+    def body(stage, upstream):
+        out = data_main.data_stage(stage, upstream)
+        manifest = json.loads((stage.dir / "data_manifest.json").read_text())
+        for split, data in raw.items():
+            (stage.dir / f"{split}.parquet").write_bytes(data)
+            manifest["files"][f"{split}.parquet"]["sha256"] = sha256_file(stage.dir / f"{split}.parquet")
+        (stage.dir / "data_manifest.json").write_text(json.dumps(manifest))
+        return out
+
+    Stage(cfg, "data").run(body, fresh=True)
+    return cfg.run_root
+
+
+def finish_model_stage(cfg, name: str, model: Path | None, damage: Callable | None = None) -> None:
+    """A finished base or sft stage whose model folder is a copy of `model`, damaged before the stage finishes
+    (so its manifest describes the damaged files), or no folder at all (model None)."""
+    from recipe.runs import Stage
+
+    def body(stage, upstream):
+        out = stage.dir / "model"
+        if model is not None:
+            shutil.copytree(model, out)
+            if damage:
+                damage(out)
+        return {"inputs": {}, "outputs": {"model": out} if model is not None else {}}
+
+    Stage(cfg, name).run(body, requires=("data",) if name == "base" else ("data", "base"))
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    from recipe.config import TinyArch
+    from recipe.model import build_tiny_model, build_tokenizer
+
+    out = tmp_path_factory.mktemp("model") / "model"
+    tok = build_tokenizer([f"What is {i}+1? <think>\n</think>\n{i + 1}" for i in range(50)], vocab_size=160)
+    arch = TinyArch(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, n_routed_experts=4,
+                    max_position_embeddings=128)
+    build_tiny_model(arch, tok, seed=0).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def with_data(**files):
+    return lambda cfg, mp, model: finish_data(cfg, mp, **files)
+
+
+def with_base(damage=None, pretrain=None):
+    def setup(cfg, mp, model):
+        finish_data(cfg, mp, **({"pretrain": pretrain} if pretrain is not None else {}))
+        finish_model_stage(cfg, "base", model, damage)
+    return setup
+
+
+def with_sft(model_present=True):
+    def setup(cfg, mp, model):
+        with_base()(cfg, mp, model)
+        finish_model_stage(cfg, "sft", model if model_present else None)
+    return setup
+
+
+def truncate(name: str):
+    def damage(folder: Path):
+        data = (folder / name).read_bytes()
+        (folder / name).write_bytes(data[:len(data) // 2])
+    return damage
+
+
+def remove(name: str):
+    return lambda folder: (folder / name).unlink()
+
+
+def replace(name: str, text: str):
+    return lambda folder: (folder / name).write_text(text)
+
+
+def not_utf8_table() -> bytes:
+    from recipe.data.schema import SCHEMA
+
+    t = pa.Table.from_pylist([row(0)], schema=SCHEMA)
+    answer = pa.array([b"\xff\xfe 1"], pa.binary()).view(pa.string())
+    return table_bytes(t.set_column(t.schema.get_field_index("answer"), "answer", answer))
+
+
+def prompt_as_text_table() -> bytes:
+    from recipe.data.schema import SCHEMA
+
+    schema = pa.schema([pa.field("prompt", pa.string()) if f.name == "prompt" else f for f in SCHEMA])
+    return table_bytes(pa.Table.from_pylist([row(0, prompt="What is 0+1?")], schema=schema))
+
+
+def rows_table(rows: list[dict]) -> bytes:
+    from recipe.data.schema import SCHEMA
+
+    return table_bytes(pa.Table.from_pylist(rows, schema=SCHEMA))
+
+
+def edit_after_make_data(cfg, mp, model):
+    root = finish_data(cfg, mp)
+    with open(Path(root) / "tiny" / "data" / "eval.parquet", "r+b") as f:
+        f.seek(40)
+        f.write(b"edited")
+
+
+def delete_after_make_data(name):
+    def setup(cfg, mp, model):
+        root = finish_data(cfg, mp)
+        (Path(root) / "tiny" / "data" / name).unlink()
+    return setup
+
+
+def manifest_not_json(cfg, mp, model):
+    root = finish_data(cfg, mp)
+    (Path(root) / "tiny" / "data" / "data_manifest.json").write_text("{not json")
+
+
+def finished_with_other_config(cfg, mp, model):
+    from recipe.config import load_config
+
+    finish_data(load_config([f"run_root={cfg.run_root}"]), mp)
+
+
+def samples_not_utf8(cfg, mp, model):
+    with_sft()(cfg, mp, model)
+    out = Path(cfg.run_root) / "tiny" / "eval" / "sft"
+    out.mkdir(parents=True)
+    (out / "samples.jsonl").write_bytes(b'{"id": "q0", "sample": 0, "score": 1.0}\n\xff\xfe\n')
+
+
+def damaged_results(cfg, mp, model):
+    out = Path(cfg.run_root) / "tiny" / "eval" / "sft"
+    out.mkdir(parents=True)
+    (out / "results.json").write_text('{"overall": {"avg": 0.5')
+
+
+def read_only_root(cfg, mp, model):
+    ro = Path(cfg.run_root)
+    ro.mkdir(parents=True)
+    ro.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anyway: the file system's answer is made up here, as a read-only mount
+        real = os.mkdir
+
+        def mkdir(path, *a, **kw):
+            if str(path).startswith(str(ro)):
+                if not Path(path).parent.exists():
+                    raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), str(path))
+                raise PermissionError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            return real(path, *a, **kw)
+
+        mp.setattr(os, "mkdir", mkdir)
+
+
+def run_root_is_a_file(cfg, mp, model):
+    Path(cfg.run_root).write_text("not a folder")
+
+
+# -- cases without a command: the function that reads the input -------------------------------------------
+def hub_sft_prompt_is_text(tmp_path):
+    from recipe.data.hub import sft_row
+
+    sft_row({"prompt": "hello", "completion": []}, "am_chat", 7)
+
+
+def hub_rl_row_without_question(tmp_path):
+    from recipe.config import load_config
+    from recipe.data.hub import rl_row
+
+    rl_row({"prompt": "1+1?", "avg@8_qwen3_4b_thinking_2507": 0.5}, "math", 3, load_config(["preset=intellect3"]).data)
+
+
+def hub_rl_rate_not_a_number(tmp_path):
+    from recipe.config import load_config
+    from recipe.data.hub import rl_row
+
+    rl_row({"question": "1+1?", "answer": "2", "avg@8_qwen3_4b_thinking_2507": "n/a"}, "math", 3,
+           load_config(["preset=intellect3"]).data)
+
+
+def env_mix_without_rows(tmp_path):
+    from tests.fakes import CharTokenizer, ScriptedEngine
+    from recipe.config import load_config
+    from recipe.rl.orchestrator import Orchestrator
+
+    cfg = load_config(["rl.env_mix={math:0.5,science:0.5}"])
+    Orchestrator([row(0, split="rl")], CharTokenizer(), cfg.rl, ScriptedEngine(lambda p, i: "1"), seed=0)
+
+
+def write_rows_missing_key(tmp_path):
+    from recipe.data.schema import write_rows
+
+    write_rows([{"id": "x"}], tmp_path / "bad.parquet")
+
+
+def benchmarks_cli_unknown(tmp_path):
+    from recipe.eval.benchmarks import main
+
+    return main(["nope"])
+
+
+CASES = [
+    # -- keys and presets
+    config_case("rl.foo=1", "error: config error: unknown key rl.foo: rl (RLConfig) has no key 'foo'"),
+    config_case("+rl.foo=1", "error: config error: unknown key rl.foo: rl (RLConfig) has no key 'foo'"),
+    config_case("++rl.foo=1", "error: config error: unknown key rl.foo: rl (RLConfig) has no key 'foo'"),
+    config_case("+foo=1", "error: config error: unknown key foo: the top level has no key 'foo'"),
+    config_case("sft.lrr=1e-3", "error: config error: unknown key sft.lrr: sft (TrainConfig) has no key 'lrr'; "
+                                "did you mean lr?"),
+    config_case("data.tasks=[{env:math,tsk:add}]", "error: config error: unknown key data.tasks[].tsk: data.tasks[] "
+                                                   "(TaskSpec) has no key 'tsk'; did you mean task?"),
+    config_case("rl.env_mix.science=0.5", "error: config error: rl.env_mix has no entry 'science' to change: add "
+                                          "one with +rl.env_mix.science=<value>, or give the whole rl.env_mix={...}, "
+                                          "which replaces it"),
+    config_case("preset=tiyn", "error: config error: preset=tiyn: there is no configs/preset/tiyn.yaml (known: "
+                               "gpu_small, intellect3, tiny); did you mean tiny?"),
+    config_case("rl=fast", "error: config error: rl=fast: there is no configs/rl/fast.yaml (known: gpu_small, "
+                           "intellect3, tiny)"),
+    config_case("rl", "error: config error: Error parsing override 'rl'; missing EQUAL at '<EOF>'"),
+    # -- types and choices
+    config_case("sft.lr=abc", "error: config error: sft.lr=abc: Value 'abc' of type 'str' could not be converted "
+                              "to Float"),
+    config_case("rl.max_steps=1.5", "error: config error: rl.max_steps=1.5: Value '1.5' of type 'float' could not "
+                                    "be converted to Integer"),
+    config_case("rl.max_steps=null", "error: config error: rl.max_steps=null: field 'rl.max_steps' is not Optional"),
+    config_case("eval.pass_k=4", "error: config error: eval.pass_k=4: Invalid value assigned: int is not a "
+                                 "ListConfig, list or tuple."),
+    config_case("rl.engine=tgi", "error: config error: rl.engine=tgi: Invalid value 'tgi', expected one of "
+                                 "[hf, vllm]"),
+    config_case("rl.optimizer=sgd", "error: config error: rl.optimizer=sgd: Invalid value 'sgd', expected one of "
+                                    "[adamw, muon]"),
+    config_case("model.dtype=fp32", "error: config error: model.dtype=fp32: Invalid value 'fp32', expected one of "
+                                    "[float32, float16, bfloat16]"),
+    config_case("sft.scheduler=cosin", "error: config error: sft.scheduler=cosin: Invalid value 'cosin', expected "
+                                       "one of [linear, cosine, …]"),
+    config_case("eval.checkpoints=[sft,final]", "error: config error: eval.checkpoints=[sft,final]: Invalid value "
+                                                "'final', expected one of [base, sft, rl]"),
+    config_case("~rl.max_steps", "error: config error: ~rl.max_steps: RLConfig (DictConfig) does not support "
+                                 "deletion"),
+    config_case("sft.lr=${nope}", "error: config error: sft.lr does not resolve: Interpolation key 'nope' not "
+                                  "found"),
+    # -- sizes, steps and ranges
+    config_case("rl.max_steps=0", "error: config error: rl.max_steps must be an integer >= 1, got 0"),
+    config_case("sft.max_steps=-1", "error: config error: sft.max_steps must be an integer >= 1, got -1"),
+    config_case("sft.batch_size=0", "error: config error: sft.batch_size must be an integer >= 1, got 0"),
+    config_case("rl.micro_batch_size=0", "error: config error: rl.micro_batch_size must be an integer >= 1, got 0"),
+    config_case("rl.checkpoint_every=0", "error: config error: rl.checkpoint_every must be an integer >= 1, got 0"),
+    config_case("rl.max_new_tokens=0", "error: config error: rl.max_new_tokens must be an integer >= 1, got 0"),
+    config_case("rl.rollouts_per_example=1", "error: config error: rl.rollouts_per_example must be an integer "
+                                             ">= 2, got 1"),
+    config_case("rl.temperature=0", "error: config error: rl.temperature must be a number > 0, got 0.0"),
+    config_case("eval.temperature=-1", "error: config error: eval.temperature must be a number >= 0, got -1.0"),
+    config_case("eval.top_p=0", "error: config error: eval.top_p must be a number in (0, 1], got 0.0"),
+    config_case("eval.pass_k=[1,8]", "error: config error: eval.pass_k=[1, 8] must lie in 1..eval.samples (4): "
+                                     "pass@k needs k samples a problem"),
+    config_case("eval.pass_k=[0,1]", "error: config error: eval.pass_k[0] must be an integer >= 1, got 0"),
+    config_case("eval.max_problems_per_task=0", "error: config error: eval.max_problems_per_task must be an integer "
+                                                ">= 1, got 0"),
+    config_case("rl.env_mix.math=-1", "error: config error: rl.env_mix.math must be a number >= 0, got -1.0"),
+    config_case("rl.env_mix={}", "error: config error: rl.env_mix needs non-negative weights with a positive sum, "
+                                 "got {}"),
+    config_case("rl.mask_ratio_low=1.5", "error: config error: rl.mask_ratio_low must be a number in (0, 1), "
+                                         "got 1.5"),
+    config_case("data.no_think_fraction=1.5", "error: config error: data.no_think_fraction must be a number in "
+                                              "[0, 1], got 1.5"),
+    config_case("rl.max_off_policy_steps=0", "error: config error: rl.max_off_policy_steps (0) must be >= "
+                                             "rl.max_async_level (1): the engine would cancel requests the trainer "
+                                             "may still take"),
+    config_case("rl.vllm_port=70000", "error: config error: rl.vllm_port must be an integer in [1, 65535], "
+                                      "got 70000"),
+    config_case("seed=-1", "error: config error: seed must be an integer >= 0, got -1"),
+    config_case("launcher.nodes=0", "error: config error: launcher.nodes must be an integer >= 1, got 0"),
+    config_case("model.tiny.num_key_value_heads=3", "error: config error: model.tiny.num_attention_heads (4) must "
+                                                    "be a multiple of model.tiny.num_key_value_heads (3)"),
+    config_case("model.tiny.num_experts_per_tok=9", "error: config error: model.tiny.num_experts_per_tok (9) must "
+                                                    "be <= model.tiny.n_routed_experts (8)"),
+    # -- lengths against the tiny model's context (512 positions)
+    config_case("rl.max_new_tokens=500", "error: config error: rl.max_new_tokens (500) plus a prompt (16 tokens or "
+                                         "more) must fit the model's context, model.tiny.max_position_embeddings "
+                                         "(512)"),
+    config_case("eval.max_new_tokens=512", "error: config error: eval.max_new_tokens (512) plus a prompt (16 tokens "
+                                           "or more) must fit the model's context, "
+                                           "model.tiny.max_position_embeddings (512)"),
+    config_case("sft.max_length=1024", "error: config error: sft.max_length (1024) must be <= the model's context, "
+                                       "model.tiny.max_position_embeddings (512)"),
+    # -- benchmarks
+    Case("`eval.benchmarks=[{name:aime},…]`", "make eval",
+         "error: config error: eval.benchmarks[0].name='aime' is not a known benchmark (known: math500, …)",
+         args=["eval.benchmarks=[{name:aime}]"]),
+    Case("`eval.benchmarks=[{name:hle},{name:hle}]`", "make eval",
+         "error: config error: eval.benchmarks[1].name='hle' is listed twice",
+         args=["eval.benchmarks=[{name:hle},{name:hle}]"]),
+    Case("`eval.benchmarks=[{name:aime24,samples:0}]`", "make eval",
+         "error: config error: eval.benchmarks[0].samples must be an integer >= 1, got 0",
+         args=["eval.benchmarks=[{name:aime24,samples:0}]"]),
+    Case("an unknown benchmark to cache", "python -m recipe.eval.benchmarks nope",
+         "error: unknown benchmark 'nope' (known: math500, …)", call=benchmarks_cli_unknown),
+    # -- the tiny tasks
+    Case("a task of no environment", "make data", "error: config error: data.tasks[0].env='algebra' is not an "
+         "environment (known: code, exact, logic, math, science, tools)",
+         args=["data.tasks=[{env:algebra,task:add}]"]),
+    Case("an unknown tiny task", "make data", "error: tiny data: unknown task 'mul' (known: add, fn_fit, "
+         "tool_mul, …)", args=["data.tasks=[{env:math,task:mul}]"]),
+    Case("task params the generator does not take", "make data",
+         "error: config error: data.tasks[0].params={'digits': 2}: task 'add' refuses them: gen_add() got an "
+         "unexpected keyword argument 'digits'", args=["data.tasks=[{env:math,task:add,params:{digits:2}}]"]),
+    # -- stages in the wrong order, or redone with another config
+    Case("`make sft` before `make data`", "make sft", "error: stage 'data' has not finished "
+         "(<runs>/tiny/data/DONE.json missing): run `make data` first"),
+    Case("`make sft` before `make base`", "make sft", "error: stage 'base' has not finished "
+         "(<runs>/tiny/base/DONE.json missing): run `make base` first", setup=with_data()),
+    Case("`make rl` before `make sft`", "make rl", "error: stage 'sft' has not finished "
+         "(<runs>/tiny/sft/DONE.json missing): run `make sft` first", setup=with_data()),
+    Case("a finished stage rerun with another config", "make data", "error: data: <runs>/tiny/data was finished "
+         "with another config (hash …, now …); pass force=true to redo it, or run_root=<dir> to keep both runs",
+         args=["data.seed=7"], setup=finished_with_other_config),
+    # -- data files
+    Case("a data file deleted after `make data`", "make eval", "error: data file <runs>/tiny/data/eval.parquet is "
+         "missing: run `make data` first", setup=delete_after_make_data("eval.parquet")),
+    Case("a data file edited after `make data`", "make eval", "error: data file <runs>/tiny/data/eval.parquet does "
+         "not match its manifest sha256 (corrupt or edited): rerun `make data ARGS=force=true`",
+         setup=edit_after_make_data),
+    Case("data_manifest.json deleted", "make eval", "error: <runs>/tiny/data/data_manifest.json is missing: run "
+         "`make data` first", setup=delete_after_make_data("data_manifest.json")),
+    Case("data_manifest.json not JSON", "make eval", "error: <runs>/tiny/data/data_manifest.json is corrupt (…): "
+         "rerun `make data ARGS=force=true`", setup=manifest_not_json),
+    Case("a data file that is not parquet", "make eval", "error: data file <runs>/tiny/data/eval.parquet is not "
+         "readable parquet: …", setup=with_data(eval=b"id,prompt\nq0,hello\n")),
+    Case("a data column of the wrong type", "make eval", "error: data file <runs>/tiny/data/eval.parquet: column "
+         "prompt is string, expected list<item: struct<role: string, content: string, tool_calls: string>>",
+         setup=with_data(eval=prompt_as_text_table())),
+    Case("non-UTF-8 bytes in a data row", "make eval", "error: data file <runs>/tiny/data/eval.parquet: row 0, "
+         "column answer is not UTF-8 text", setup=with_data(eval=not_utf8_table())),
+    Case("a prompt row without messages", "make eval", "error: data file <runs>/tiny/data/eval.parquet: row 1 "
+         "(id 'q1'): the prompt has no message", setup=with_data(eval=rows_table([row(0), row(1, prompt=[])]))),
+    Case("a prompt message without a role", "make eval", "error: data file <runs>/tiny/data/eval.parquet: row 0 "
+         "(id 'q0'): malformed message {'role': None, 'content': 'hi', 'tool_calls': None}: role and content must "
+         "be text", setup=with_data(eval=rows_table([row(0, prompt=[{"role": None, "content": "hi",
+                                                                      "tool_calls": None}])]))),
+    Case("an empty pretraining split", "make base", "error: <runs>/tiny/data/pretrain.parquet has no rows: "
+         "`make base` pretrains the tiny model on them (data.pretrain_rows_per_task >= 1)",
+         setup=with_data(pretrain=[])),
+    Case("samples.jsonl with non-UTF-8 bytes", "make eval", "error: <runs>/tiny/eval/sft/samples.jsonl line 2 is not "
+         "UTF-8 text (the file is damaged): delete it to evaluate this checkpoint again",
+         args=["eval.checkpoints=[sft]", "eval.samples=1", "eval.pass_k=[1]", "eval.max_new_tokens=4"],
+         setup=samples_not_utf8),
+    Case("a damaged results.json", "make report", "error: <runs>/tiny/eval/sft/results.json is damaged (…): rerun "
+         "the command that wrote it", setup=damaged_results),
+    Case("a row the data writer gets without its keys", "recipe.data.schema.write_rows",
+         "error: <tmp>/bad.parquet: row 0 lacks key(s) ['env', 'task', …]", call=write_rows_missing_key),
+    # -- hub data
+    Case("hub SFT row whose prompt is text", "recipe.data.hub.sft_row (make data PRESET=intellect3)",
+         "error: INTELLECT-3-SFT/am_chat row 7: expected a list of messages, got str", call=hub_sft_prompt_is_text),
+    Case("hub RL row without a question", "recipe.data.hub.rl_row (make data PRESET=intellect3)",
+         "error: INTELLECT-3-RL/math row 3: no 'question' column (columns: ['avg@8_qwen3_4b_thinking_2507', "
+         "'prompt'])", call=hub_rl_row_without_question),
+    Case("hub RL row whose pass rate is not a number", "recipe.data.hub.rl_row (make data PRESET=intellect3)",
+         "error: INTELLECT-3-RL/math row 3: pass rate avg@8_qwen3_4b_thinking_2507='n/a' is not a number",
+         call=hub_rl_rate_not_a_number),
+    Case("rl.env_mix names an environment without RL rows", "recipe.rl.orchestrator.Orchestrator (make rl)",
+         "error: rl.env_mix names environment(s) ['science'] with no RL rows (the data has ['math'])",
+         call=env_mix_without_rows),
+    # -- model folders
+    Case("the base model folder without weights", "make sft", "error: model folder <runs>/tiny/base/model lacks "
+         "model.safetensors or model.safetensors.index.json or pytorch_model.bin: redo the stage that wrote it "
+         "(force=true)", setup=with_base(remove("model.safetensors"))),
+    Case("a truncated weights file", "make sft", "error: cannot load the model of <runs>/tiny/base/model from the "
+         "local folder: a weights file is truncated or corrupt (…)", setup=with_base(truncate("model.safetensors"))),
+    Case("missing tokenizer files", "make sft", "error: model folder <runs>/tiny/base/model lacks tokenizer.json: "
+         "redo the stage that wrote it (force=true)", setup=with_base(remove("tokenizer.json"))),
+    Case("a model config.json that is not JSON", "make sft", "error: cannot load the tokenizer of "
+         "<runs>/tiny/base/model from the local folder: It looks like the config file at "
+         "'<runs>/tiny/base/model/config.json' is not a valid JSON file.",
+         setup=with_base(replace("config.json", "{not json"))),
+    Case("a missing model folder", "make rl", "error: model folder <runs>/tiny/sft/model does not exist: redo the "
+         "stage that wrote it (force=true)", args=["rl.pin_cores=false"], setup=with_sft(model_present=False)),
+    # -- the run root
+    Case("a read-only run root", "make data", "error: cannot write or read <runs>/tiny: … (check run_root and "
+         "its permissions)", setup=read_only_root),
+    Case("a run root that is a file", "make data", "error: cannot write or read <runs>/tiny/data: Not a directory "
+         "(check run_root and its permissions)", setup=run_root_is_a_file),
+]
+
+
+def pattern(message: str, runs: Path, tmp: Path) -> re.Pattern:
+    text = message.replace("<runs>", str(runs)).replace("<tmp>", str(tmp))
+    return re.compile("^" + ".*".join(re.escape(part) for part in text.split("…")))
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.input.strip("`")[:60])
+def test_bad_input_gives_one_line_and_exit_2(case, tmp_path, monkeypatch, capsys, request):
+    from recipe.config import load_config
+
+    monkeypatch.delenv("RECIPE_DEBUG", raising=False)
+    runs = tmp_path / "runs"
+    if case.call is not None:
+        try:
+            code = case.call(tmp_path)
+        except RecipeError as e:
+            code, err = case.exit, f"error: {e}\n"
+        else:
+            err = capsys.readouterr().err
+        assert code == case.exit
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and pattern(case.message, runs, tmp_path).match(lines[0]), lines
+        return
+    argv = [f"run_root={runs}", *case.args]
+    if case.setup is not None:
+        case.setup(load_config(argv), monkeypatch, request.getfixturevalue("tiny_model"))
+    capsys.readouterr()
+    module = {"report": "recipe.eval.report"}.get(case.stage, f"recipe.{case.stage}.__main__")  # as the Makefile
+    main = importlib.import_module(module).main
+    with pytest.raises(SystemExit) as ex:  # any other exception is a traceback: the test fails with it
+        main(argv)
+    err = capsys.readouterr().err
+    assert ex.value.code == case.exit
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    assert pattern(case.message, runs, tmp_path).match(errors[0]), errors[0]
+
+
+# -- a handful through a real process: exit code and stderr of `python -m recipe.<stage>` ---------------------
+@pytest.mark.parametrize("args,expected", [
+    (["+rl.foo=1"], "error: config error: unknown key rl.foo"),
+    (["sft.max_steps=-1"], "error: config error: sft.max_steps must be an integer >= 1, got -1"),
+    (["preset=intellect3"], "error: cannot load PrimeIntellect/INTELLECT-3-SFT@"),
+], ids=["unknown key", "range", "hub offline"])
+def test_the_process_exits_2_with_one_line(args, expected, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    env.pop("RECIPE_DEBUG", None)
+    res = subprocess.run([sys.executable, "-m", "recipe.data", f"run_root={tmp_path / 'runs'}", *args],
+                         capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert res.returncode == 2
+    assert "Traceback" not in res.stderr
+    assert [ln for ln in res.stderr.splitlines() if ln.strip()][-1].startswith(expected), res.stderr
+
+
+# -- the README's table is these cases ------------------------------------------------------------------------
+def readme_rows() -> list[list[str]]:
+    text = (ROOT / "README.md").read_text()
+    section = text.split("## Bad input, and what you see", 1)[1].split("\n## ", 1)[0]
+    lines = [ln for ln in section.splitlines() if ln.startswith("|")][2:]  # past the header and its rule
+    return [[c.strip() for c in ln.strip().strip("|").split(" | ")] for ln in lines]
+
+
+def test_the_readme_table_lists_every_case_and_no_other():
+    assert len(CASES) >= 40
+    assert readme_rows() == [c.readme_row() for c in CASES]
+
+
+if __name__ == "__main__":  # prints the README's table
+    print("| bad input | command | what you see (stderr) | exit |\n|---|---|---|---|")
+    print("\n".join("| " + " | ".join(c.readme_row()) + " |" for c in CASES))
