@@ -400,12 +400,16 @@ CASES = [
          "error: config error: data.tasks[0].params={'digits': 2}: task 'add' refuses them: gen_add() got an "
          "unexpected keyword argument 'digits'", args=["data.tasks=[{env:math,task:add,params:{digits:2}}]"]),
     # -- stages in the wrong order, or redone with another config
-    Case("`make sft` before `make data`", "make sft", "error: stage 'data' has not finished "
+    Case("`make sft` before `make data`", "make sft", "error: sft: stage 'data' has not finished "
          "(<runs>/tiny/data/DONE.json missing): run `make data` first"),
-    Case("`make sft` before `make base`", "make sft", "error: stage 'base' has not finished "
+    Case("`make sft` before `make base`", "make sft", "error: sft: stage 'base' has not finished "
          "(<runs>/tiny/base/DONE.json missing): run `make base` first", setup=with_data()),
-    Case("`make rl` before `make sft`", "make rl", "error: stage 'sft' has not finished "
+    Case("`make rl` before `make sft`", "make rl", "error: rl: stage 'sft' has not finished "
          "(<runs>/tiny/sft/DONE.json missing): run `make sft` first", setup=with_data()),
+    Case("an upstream stage finished under another config", "make base", "error: base: stage 'data' in "
+         "<runs>/tiny/data was finished under another config (hash …; this config gives …): redo it under this "
+         "config with `make data ARGS=\"force=true <this run's overrides>\"`, or pass run_root=<dir> to keep both runs",
+         args=["data.seed=7"], setup=finished_with_other_config),
     Case("a finished stage rerun with another config", "make data", "error: data: <runs>/tiny/data was finished "
          "with another config (hash …, now …); pass force=true to redo it, or run_root=<dir> to keep both runs",
          args=["data.seed=7"], setup=finished_with_other_config),
