@@ -21,10 +21,12 @@ import platform
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
 import time
+import zipfile
 from importlib import metadata
 from pathlib import Path
 from typing import Callable, Iterator
@@ -58,6 +60,34 @@ def write_atomic(path: Path, data: bytes | str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def safetensors_problem(path: Path) -> str | None:
+    """Why a safetensors file is not whole, or None: it must be exactly as long as its header says (8-byte
+    length, JSON header, then the data its offsets end at). A few reads, however large the file."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except FileNotFoundError:
+        return f"{path.name} is missing"
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError) as e:
+        return f"{path.name} has no readable header ({e.__class__.__name__})"
+    size = path.stat().st_size
+    return None if size == 8 + n + end else f"{path.name} is {size} bytes, its header says {8 + n + end}"
+
+
+def torch_save_problem(path: Path) -> str | None:
+    """Why a torch.save file is not whole, or None: it must open as a zip, whose central directory sits at the
+    very end of the file (so a truncated file fails). A file torn in the middle with its length intact passes."""
+    try:
+        zipfile.ZipFile(path).close()
+    except FileNotFoundError:
+        return f"{path.name} is missing"
+    except (zipfile.BadZipFile, OSError) as e:
+        return f"{path.name} is not a complete torch.save file ({e})"
+    return None
 
 
 def sha256_file(path: Path) -> str:

@@ -282,6 +282,41 @@ def env_mix_without_rows(tmp_path):
     Orchestrator([row(0, split="rl")], CharTokenizer(), cfg.rl, ScriptedEngine(lambda p, i: "1"), seed=0)
 
 
+def damaged_newest_rl_checkpoint(tmp_path):
+    import torch
+
+    from recipe.rl.trainer import CombinedOptimizer, build_scheduler, latest_checkpoint, save_checkpoint
+
+    model = torch.nn.Linear(2, 2)
+    opt = CombinedOptimizer([torch.optim.AdamW(model.parameters())])
+    for step in (1, 2):
+        save_checkpoint(tmp_path, step, model, opt, build_scheduler(opt, 0), {}, keep=2)
+    truncate("optimizer.pt")(tmp_path / "step_000002")
+    assert latest_checkpoint(tmp_path).name == "step_000001"
+    return 0
+
+
+def eval_prompt_longer_than_context(tmp_path):
+    from tests.fakes import CharTokenizer
+    from recipe.config import EvalConfig
+    from recipe.eval import runner
+    from recipe.rollout import Completion
+
+    class Engine:
+        def generate(self, prompts, params):
+            return [Completion([ord(c) for c in "<think>t</think>1"], [0.0] * 17, "stop", 0) for _ in prompts]
+
+    bar = runner.tqdm
+    runner.tqdm = lambda *a, **kw: bar(*a, **kw, disable=True)  # the progress bar is on stderr too
+    try:
+        res = runner.evaluate(Engine(), CharTokenizer(), [row(0), row(1, prompt=[{"role": "user", "content": "x" * 99}])],
+                              EvalConfig(samples=1, pass_k=[1], max_new_tokens=8), tmp_path, context=64)
+    finally:
+        runner.tqdm = bar
+    assert res["skipped_too_long"] == 1
+    return 0
+
+
 def write_rows_missing_key(tmp_path):
     from recipe.data.schema import write_rows
 
@@ -459,6 +494,12 @@ CASES = [
     Case("rl.env_mix names an environment without RL rows", "recipe.rl.orchestrator.Orchestrator (make rl)",
          "error: rl.env_mix names environment(s) ['science'] with no RL rows (the data has ['math'])",
          call=env_mix_without_rows),
+    Case("a damaged newest RL checkpoint (a file truncated or missing)", "recipe.rl.trainer.latest_checkpoint "
+         "(make rl)", "rl: skipping checkpoint step_000002: optimizer.pt is not a complete torch.save file (…); "
+         "removed it, resuming from the checkpoint before it", call=damaged_newest_rl_checkpoint, exit=0),
+    Case("an eval prompt longer than the model's context", "recipe.eval.runner.evaluate (make eval)",
+         "eval: skipping 1 of 2 problems whose prompt plus max_new_tokens (8) exceeds the model's context (64); "
+         "written as skipped to <tmp>/samples.jsonl", call=eval_prompt_longer_than_context, exit=0),
     # -- model folders
     Case("the base model folder without weights", "make sft", "error: model folder <runs>/tiny/base/model lacks "
          "model.safetensors or model.safetensors.index.json or pytorch_model.bin: redo the stage that wrote it "

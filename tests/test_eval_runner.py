@@ -110,3 +110,30 @@ def test_report_shows_the_sandbox_throughput_that_bench_sandbox_wrote(tmp_path):
     text = write_report(cfg).read_text()
     assert "| x1.60 |" in text and "| 0.481 ± 0.018 | 0.464 ± 0.020 |" in text
     assert "**36.4 programs/s**" in text and "backend `bwrap`" in text and "`make bench-sandbox PRESET=tiny`" in text
+
+
+def test_prompts_longer_than_the_context_are_skipped_counted_and_not_scored(tmp_path, capsys):
+    import pytest
+
+    from recipe.chat import encode_prompt
+    from recipe.errors import StageError
+
+    rs = rows(12)  # q0..q9 encode one token shorter than q10, q11
+    short = len(encode_prompt(CharTokenizer(), rs[0]["prompt"]))
+    cfg = EvalConfig(samples=2, pass_k=[1], batch_size=4, max_new_tokens=8)
+    correct = {i: 2 for i in range(12)}
+    res = evaluate(ScriptedEvalEngine(correct, 2), CharTokenizer(), rs, cfg, tmp_path, context=short + 8)
+    assert res["skipped_too_long"] == 2 and res["overall"]["avg"] == 1.0
+    assert res["env"]["math"]["problems"] == 10
+    lines = [json.loads(x) for x in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    skipped = [x for x in lines if x.get("skipped")]
+    assert sorted(x["id"] for x in skipped) == ["q10", "q11"] and "score" not in skipped[0]
+    assert "exceeds the model's context" in skipped[0]["skipped"]
+    err = capsys.readouterr().err
+    assert "eval: skipping 2 of 12 problems" in err
+    # a rerun resumes: nothing left to sample, the same results
+    again = evaluate(ScriptedEvalEngine(correct, 2, fail_after=0), CharTokenizer(), rs, cfg, tmp_path,
+                     context=short + 8)
+    assert again == res
+    with pytest.raises(StageError, match="every one of the 12 prompts"):
+        evaluate(ScriptedEvalEngine(correct, 2), CharTokenizer(), rs, cfg, tmp_path / "all", context=short)

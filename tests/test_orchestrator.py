@@ -181,3 +181,22 @@ def test_masked_samples_leave_the_loss_and_the_group_mean(monkeypatch):
     judged = sorted(round(s.advantage, 6) for s in samples if any(s.loss_mask))
     assert judged == [round(-1 / 3, 6)] * 4 + [round(2 / 3, 6)] * 2  # mean over the 3 judged samples
     assert stats["reward"] == pytest.approx(1 / 3)
+
+
+def test_prompts_longer_than_the_context_are_left_out_with_one_line(capsys):
+    from recipe.chat import encode_prompt
+    from recipe.errors import StageError
+
+    rows = math_rows(20)  # Q0..Q9 encode one token shorter than Q10..Q19
+    short = len(encode_prompt(CharTokenizer(), rows[0]["prompt"]))
+    cfg = rl_cfg(max_new_tokens=10, max_async_level=0)
+    orch = Orchestrator(rows, CharTokenizer(), cfg, ScriptedEngine(answer_by_index(lambda i: {0})), seed=0,
+                        context=short + 10)
+    err = capsys.readouterr().err.splitlines()
+    assert orch.too_long == 10 and sorted(r["id"] for r in orch.rows["math"]) == sorted(f"q{i}" for i in range(10))
+    assert err == [f"rl: left out 10 of 20 prompts whose tokens plus rl.max_new_tokens (10) exceed the model's "
+                   f"context ({short + 10})"]
+    samples, _ = orch.next_batch(0)
+    assert all(int(problem(s)[1:]) < 10 for s in samples)
+    with pytest.raises(StageError, match=r"every one of the 20 RL prompts .* exceeds the model's context"):
+        Orchestrator(rows, CharTokenizer(), cfg, ScriptedEngine(lambda p, r: ""), seed=0, context=short + 9)

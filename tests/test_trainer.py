@@ -86,3 +86,53 @@ def test_only_the_newest_checkpoints_are_kept(tmp_path):
         save_checkpoint(tmp_path, step, model, opt, sch, {}, keep=2)
     assert [p.name for p in sorted(tmp_path.glob("step_*"))] == ["step_000002", "step_000003"]
     assert latest_checkpoint(tmp_path).name == "step_000003"
+
+
+def _truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+
+
+def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, capsys):
+    cfg = RLConfig(optimizer="adamw", lr=1e-3, micro_batch_size=4)
+    acc = Accelerator(cpu=True)
+    for damaged in ("optimizer.pt", "model.safetensors", "meta.json"):
+        root = tmp_path / damaged
+        model = tiny_model()
+        opt = build_optimizer(model, cfg)
+        sch = build_scheduler(opt, 0)
+        train_step(model, opt, sch, acc, samples(), cfg, pad_id=1)
+        save_checkpoint(root, 1, model, opt, sch, {"cursor": {"math": 1}}, keep=3)
+        at_1 = {k: v.clone() for k, v in model.state_dict().items()}
+        opt_at_1 = torch.load(root / "step_000001" / "optimizer.pt", weights_only=False)
+        train_step(model, opt, sch, acc, samples(), cfg, pad_id=1)
+        save_checkpoint(root, 2, model, opt, sch, {"cursor": {"math": 2}}, keep=3)
+        newest = root / "step_000002" / damaged
+        _truncate(newest) if damaged != "meta.json" else newest.unlink()
+        capsys.readouterr()
+        last = latest_checkpoint(root)
+        err = capsys.readouterr().err.splitlines()
+        assert last.name == "step_000001" and not (root / "step_000002").exists()
+        assert len(err) == 1 and err[0].startswith(f"rl: skipping checkpoint step_000002: {damaged} "), err
+        model2 = tiny_model(seed=9)
+        opt2 = build_optimizer(model2, cfg)
+        sch2 = build_scheduler(opt2, 0)
+        step, orch = load_checkpoint(last, model2, opt2, sch2)
+        assert step == 1 and orch == {"cursor": {"math": 1}}
+        assert all(torch.equal(v, at_1[k]) for k, v in model2.state_dict().items())
+        got = opt2.state_dict()["optimizers"][0]["state"]
+        want = opt_at_1["optimizers"][0]["state"]
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[i]["exp_avg"], want[i]["exp_avg"]) for i in want)
+
+
+def test_no_intact_checkpoint_starts_over_with_one_line(tmp_path, capsys):
+    model = tiny_model()
+    opt = build_optimizer(model, RLConfig())
+    sch = build_scheduler(opt, 0)
+    save_checkpoint(tmp_path, 1, model, opt, sch, {}, keep=2)
+    _truncate(tmp_path / "step_000001" / "optimizer.pt")
+    capsys.readouterr()
+    assert latest_checkpoint(tmp_path) is None
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[1] == f"rl: no intact checkpoint left in {tmp_path}; starting over from step 0"

@@ -2,18 +2,22 @@
 
 Resumable per problem: every finished problem's samples are appended to samples.jsonl (completion, score and
 reason), and a rerun skips the problems already there. A masked sample (the verifier could not judge it, e.g. a
-broken sandbox) is written with masked=true; its problem is left out of the metrics and redone by a rerun.
+broken sandbox) is written with masked=true; its problem is left out of the metrics and redone by a rerun. A
+problem whose prompt plus max_new_tokens does not fit the model's context is not sampled (the engine would fail
+or hang on it): it is written once with `skipped` (the reason), left out of the metrics and counted in the
+results as `skipped_too_long`.
 """
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from tqdm import tqdm
 
 from recipe.chat import completion_text, encode_prompt, parse_final_answer
 from recipe.envs import get_env
-from recipe.errors import DataError
+from recipe.errors import DataError, StageError
 from recipe.eval.metrics import breakdown
 from recipe.inference.engine import Generator
 from recipe.rollout import SamplingParams, Transcript, next_reply, score_in_threads, score_sample
@@ -45,11 +49,34 @@ def load_done(path: Path, k: int) -> dict[str, list[dict]]:
                 continue  # a line cut by a kill
             if isinstance(rec, dict) and "id" in rec:
                 done.setdefault(rec["id"], []).append(rec)
-    return {pid: recs for pid, recs in done.items() if len(recs) >= k}
+    return {pid: recs for pid, recs in done.items() if len(recs) >= k or is_skipped(recs)}
 
 
 def is_masked(recs: list[dict]) -> bool:
     return any(r.get("masked") for r in recs)
+
+
+def is_skipped(recs: list[dict]) -> bool:
+    return any(r.get("skipped") for r in recs)
+
+
+def model_context(engine) -> int | None:
+    """The model's context (max_position_embeddings) from an engine that holds the model, else None."""
+    config = getattr(getattr(engine, "model", None), "config", None)
+    return getattr(config, "max_position_embeddings", None)
+
+
+def too_long(tokenizer, rows: list[dict], max_new_tokens: int, context: int | None) -> dict[str, str]:
+    """id -> why, for the rows whose encoded prompt plus max_new_tokens exceeds the context (None: no limit)."""
+    if context is None:
+        return {}
+    out = {}
+    for r in rows:
+        n = len(encode_prompt(tokenizer, r["prompt"]))
+        if n + max_new_tokens > context:
+            out[r["id"]] = (f"too long: prompt of {n} tokens plus max_new_tokens {max_new_tokens} exceeds the "
+                            f"model's context ({context})")
+    return out
 
 
 def tool_turns(engine, tokenizer, chunk, k, prompts, completions, params) -> list:
@@ -81,16 +108,32 @@ def tool_turns(engine, tokenizer, chunk, k, prompts, completions, params) -> lis
     return out
 
 
-def evaluate(engine: Generator, tokenizer, rows: list[dict], eval_cfg, out_dir: Path, desc: str = "eval") -> dict:
+def evaluate(engine: Generator, tokenizer, rows: list[dict], eval_cfg, out_dir: Path, desc: str = "eval",
+             context: int | None = None) -> dict:
+    """`context`: the model's max_position_embeddings (default: read from the engine's model, if it has one)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     samples_path = out_dir / "samples.jsonl"
     k = eval_cfg.samples
-    # masked problems are redone: the verifier may work now
-    done = {pid: recs for pid, recs in load_done(samples_path, k).items() if not is_masked(recs[:k])}
+    context = model_context(engine) if context is None else context
+    skip = too_long(tokenizer, rows, eval_cfg.max_new_tokens, context)
+    if rows and len(skip) == len(rows):
+        raise StageError(f"{desc}: every one of the {len(rows)} prompts plus eval.max_new_tokens "
+                         f"({eval_cfg.max_new_tokens}) exceeds the model's context ({context}): lower "
+                         f"max_new_tokens or use a model with a longer context")
+    if skip:
+        print(f"{desc}: skipping {len(skip)} of {len(rows)} problems whose prompt plus max_new_tokens "
+              f"({eval_cfg.max_new_tokens}) exceeds the model's context ({context}); written as skipped to "
+              f"{samples_path}", file=sys.stderr)
+    # masked problems are redone: the verifier may work now; skipped ones are judged again (another context)
+    done = {pid: recs for pid, recs in load_done(samples_path, k).items()
+            if not is_masked(recs[:k]) and not is_skipped(recs)}
     # rewrite only complete problems, so partial lines from a killed run do not linger
     with open(samples_path, "w") as f:
         for recs in done.values():
             f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in recs[:k])
+        f.writelines(json.dumps({"id": r["id"], "env": r["env"], "task": r["task"], "skipped": skip[r["id"]]},
+                                sort_keys=True) + "\n" for r in rows if r["id"] in skip and r["id"] not in done)
+    done.update({pid: [] for pid in skip})
     todo = [r for r in rows if r["id"] not in done]
     per_chunk = max(1, eval_cfg.batch_size // k)
     bar = tqdm(total=len(rows), initial=len(rows) - len(todo), desc=desc, unit="problem")
@@ -128,6 +171,8 @@ def problem_records(samples_path: Path, rows: list[dict], k: int, done: dict | N
     done = load_done(samples_path, k) if done is None else done
     records, masked = [], []
     for r in rows:
+        if is_skipped(done[r["id"]]):
+            continue  # not sampled: counted as skipped_too_long
         recs = sorted(done[r["id"]], key=lambda s: s["sample"])[:k]
         if is_masked(recs):
             masked.append(r["id"])
@@ -140,8 +185,11 @@ def results_from_samples(samples_path: Path, rows: list[dict], eval_cfg) -> dict
     done = load_done(samples_path, eval_cfg.samples)
     records, masked = problem_records(samples_path, rows, eval_cfg.samples, done)
     out = breakdown(records, list(eval_cfg.pass_k))
-    tokens = [s["tokens"] for recs in done.values() for s in recs]
+    tokens = [s["tokens"] for recs in done.values() for s in recs if "tokens" in s]
     out["mean_completion_tokens"] = sum(tokens) / max(1, len(tokens))
     if masked:  # not judged: left out of every metric above, and counted here
         out["masked_problems"] = len(masked)
+    skipped = sum(1 for r in rows if is_skipped(done[r["id"]]))
+    if skipped:  # not sampled (prompt too long for the context): left out of every metric, and counted here
+        out["skipped_too_long"] = skipped
     return out

@@ -7,6 +7,8 @@
   max_async_level=0 is the synchronous baseline: nothing is submitted ahead of the weights it must use.
 - Filters: offline, rows whose precomputed pass rate is above max_pass_rate never enter; online, groups whose
   rewards are all equal (all 0 or all 1) carry no signal and are dropped.
+- Prompts that do not fit the model's context (prompt tokens + max_new_tokens > max_position_embeddings, given
+  as `context`) never enter either: they are counted and left out at start, with one line.
 - Advantage = reward - mean reward of the group (no division by the std).
 - start() moves the event loop (polling the engine, tool turns, scoring, top-ups) to a thread of its own, so
   that the next tool turn is submitted and rollouts are scored while the trainer works: neither a sandbox run nor
@@ -15,6 +17,7 @@
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
 from collections import Counter, deque
@@ -23,7 +26,7 @@ from dataclasses import dataclass, field
 from recipe.chat import completion_text, encode_prompt
 from recipe.data.schema import too_easy
 from recipe.envs import get_env
-from recipe.errors import ConfigError
+from recipe.errors import ConfigError, StageError
 from recipe.inference.engine import Cancelled, Done, Engine, Event, Request
 from recipe.rollout import Completion, SamplingParams, Transcript, next_reply, score_in_threads, score_sample
 
@@ -66,11 +69,24 @@ def offline_filter(rows: list[dict], max_pass_rate: float | None) -> tuple[list[
 
 class Orchestrator:
     def __init__(self, rows: list[dict], tokenizer, rl_cfg, engine: Engine, seed: int,
-                 max_pass_rate: float | None = None):
+                 max_pass_rate: float | None = None, context: int | None = None):
+        """`context`: the model's max_position_embeddings; None: prompts are not checked against it."""
         self.cfg = rl_cfg
         self.engine = engine
         self.tokenizer = tokenizer
         rows, self.offline_dropped = offline_filter(rows, max_pass_rate)
+        self.too_long = 0
+        if context is not None:
+            fit = [r for r in rows if len(encode_prompt(tokenizer, r["prompt"])) + rl_cfg.max_new_tokens <= context]
+            self.too_long = len(rows) - len(fit)
+            if rows and not fit:
+                raise StageError(f"rl: every one of the {len(rows)} RL prompts plus rl.max_new_tokens "
+                                 f"({rl_cfg.max_new_tokens}) exceeds the model's context ({context}): lower "
+                                 f"rl.max_new_tokens or use a model with a longer context")
+            if self.too_long:
+                print(f"rl: left out {self.too_long} of {len(rows)} prompts whose tokens plus rl.max_new_tokens "
+                      f"({rl_cfg.max_new_tokens}) exceed the model's context ({context})", file=sys.stderr)
+            rows = fit
         self.rows = {}
         for r in rows:
             self.rows.setdefault(r["env"], []).append(r)

@@ -10,6 +10,7 @@ import json
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -17,7 +18,7 @@ from safetensors.torch import load_file, save_file
 
 from recipe.config import OptimizerKind
 from recipe.rl.loss import completion_logprobs, masked_is_loss
-from recipe.runs import write_atomic
+from recipe.runs import safetensors_problem, torch_save_problem, write_atomic
 
 
 class CombinedOptimizer:
@@ -147,9 +148,40 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, schedulers, or
     return final
 
 
+CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "orchestrator.json", "meta.json")
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why an RL checkpoint folder cannot be resumed from, or None when it is intact: every file save_checkpoint
+    writes is there, the JSON files parse, and the weights and torch.save files are whole (the same size and
+    header checks as SFT's, recipe.runs.safetensors_problem and torch_save_problem)."""
+    for name in CHECKPOINT_FILES:
+        if not (path / name).exists():
+            return f"{name} is missing"
+    for name in ("orchestrator.json", "meta.json"):
+        try:
+            json.loads((path / name).read_text())
+        except ValueError as e:
+            return f"{name} does not parse ({e})"
+    return safetensors_problem(path / "model.safetensors") or next(
+        filter(None, (torch_save_problem(path / n) for n in ("optimizer.pt", "scheduler.pt", "rng.pt"))), None)
+
+
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    done = [p for p in sorted(ckpt_root.glob("step_*")) if (p / "meta.json").exists()]
-    return done[-1] if done else None
+    """Newest intact step_N (see checkpoint_problem). A newer one that is not intact (a kill, a full disk) is
+    removed, with one line on stderr saying why, so that the run resumes from the one before it; with none left,
+    one line says the run starts over."""
+    ckpts = sorted(ckpt_root.glob("step_*"), reverse=True)
+    for p in ckpts:
+        problem = checkpoint_problem(p)
+        if problem is None:
+            return p
+        print(f"rl: skipping checkpoint {p.name}: {problem}; removed it, resuming from the checkpoint before it",
+              file=sys.stderr)
+        shutil.rmtree(p, ignore_errors=True)
+    if ckpts:
+        print(f"rl: no intact checkpoint left in {ckpt_root}; starting over from step 0", file=sys.stderr)
+    return None
 
 
 def load_checkpoint(path: Path, model, optimizer, schedulers) -> tuple[int, dict]:

@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
-import zipfile
 from pathlib import Path
 
 import torch
@@ -22,7 +20,7 @@ from trl.data_utils import common_prefix_length
 
 from recipe.chat import ENV_REPLY, messages
 from recipe.errors import StageError
-from recipe.runs import STOP, MetricsLog
+from recipe.runs import STOP, MetricsLog, safetensors_problem, torch_save_problem
 
 
 class MetricsCallback(TrainerCallback):
@@ -68,20 +66,11 @@ def checkpoint_problem(ckpt: Path) -> str | None:
         if not (ckpt / name).exists():
             return f"{name} is missing"
     for p in weights:
-        try:
-            with open(p, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
-            end = max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
-        except (struct.error, ValueError, KeyError, TypeError) as e:
-            return f"{p.name} has no readable header ({e.__class__.__name__})"
-        if p.stat().st_size != 8 + n + end:
-            return f"{p.name} is {p.stat().st_size} bytes, its header says {8 + n + end}"
+        if problem := safetensors_problem(p):
+            return problem
     for p in sorted([*ckpt.glob("*.pt"), *ckpt.glob("*.pth"), *ckpt.glob("*.bin")]):
-        try:
-            zipfile.ZipFile(p).close()
-        except (zipfile.BadZipFile, OSError) as e:
-            return f"{p.name} is not a complete torch.save file ({e})"
+        if problem := torch_save_problem(p):
+            return problem
     return None
 
 
