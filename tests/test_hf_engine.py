@@ -4,7 +4,7 @@ import torch
 
 from recipe.config import TinyArch
 from recipe.inference import SamplingParams
-from recipe.inference.hf import HFEngine, _top_p
+from recipe.inference.hf import HFEngine, _inverse_cdf, _top_p
 from recipe.chat import stop_token_ids
 from recipe.model import build_tiny_model, build_tokenizer
 
@@ -65,6 +65,47 @@ def test_same_seed_same_samples_different_seed_different_samples(engine):
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     c = engine.generate(ps, SamplingParams(max_new_tokens=12, temperature=1.0, seed=12))
     assert [x.token_ids for x in a] != [x.token_ids for x in c]
+
+
+def test_a_request_samples_the_same_tokens_alone_in_a_batch_of_five_or_at_another_position(engine):
+    """Each row samples from its own generator seeded with its own request's seed: its tokens do not depend on
+    its batch's other rows, its position in the batch or the batch's size (nor the padding width)."""
+    ps = prompts(engine)
+    params = [SamplingParams(max_new_tokens=16, temperature=1.0, top_p=0.95, seed=100 + i) for i in range(5)]
+    alone = engine.generate_each([ps[1]], [params[1]])[0]
+    in_five = engine.generate_each(ps, params)[1]
+    moved = engine.generate_each([ps[3], ps[0], ps[4], ps[2], ps[1]], [params[j] for j in (3, 0, 4, 2, 1)])[4]
+    wide = engine.generate_each([ps[1], ps[1] + ps[2] + ps[3]], [params[1], params[2]])[0]  # padded wider
+    for other in (in_five, moved, wide):
+        assert other.token_ids == alone.token_ids
+        assert other.logprobs == pytest.approx(alone.logprobs, abs=1e-5)  # batched numerics: ~1e-7 on CPU
+    assert len({tuple(c.token_ids) for c in engine.generate_each([ps[1]] * 5, params)}) > 1  # seeds do matter
+
+
+def test_generate_seeds_prompt_i_with_seed_plus_i_as_the_vllm_client(engine):
+    ps = prompts(engine)
+    out = engine.generate(ps, SamplingParams(max_new_tokens=12, temperature=1.0, seed=40))
+    each = engine.generate_each(ps, [SamplingParams(max_new_tokens=12, temperature=1.0, seed=40 + i) for i in range(5)])
+    assert [c.token_ids for c in out] == [c.token_ids for c in each]
+
+
+def test_rows_with_different_sampling_settings_are_generated_each_with_their_own(engine):
+    ps = prompts(engine)[:2]
+    greedy, hot = SamplingParams(max_new_tokens=4, temperature=0.0), SamplingParams(max_new_tokens=9, seed=1)
+    a, b = engine.generate_each(ps, [greedy, hot])
+    assert a.token_ids == engine.generate_each([ps[0]], [greedy])[0].token_ids and len(a.token_ids) <= 4
+    assert b.token_ids == engine.generate_each([ps[1]], [hot])[0].token_ids and len(b.token_ids) <= 9
+
+
+def test_inverse_cdf_draws_from_each_rows_distribution_and_never_a_token_of_probability_zero():
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5], [0.2, 0.0, 0.8, 0.0]])
+    assert _inverse_cdf(probs, torch.tensor([0.0, 0.0])).tolist() == [1, 0]
+    assert _inverse_cdf(probs, torch.tensor([0.49, 0.25])).tolist() == [1, 2]
+    assert _inverse_cdf(probs, torch.tensor([0.5, 0.9999999])).tolist() == [3, 2]
+    assert _inverse_cdf(probs, torch.tensor([1.0, 1.0])).tolist() == [3, 2]  # u * total rounded up to the total
+    u = torch.rand(20000, generator=torch.Generator().manual_seed(0))
+    drawn = _inverse_cdf(torch.tensor([[0.1, 0.6, 0.3]]).expand(20000, 3), u)
+    assert torch.bincount(drawn, minlength=3).div(20000).sub(torch.tensor([0.1, 0.6, 0.3])).abs().max() < 0.02
 
 
 def test_top_p_keeps_the_smallest_set_reaching_the_mass():

@@ -1,9 +1,16 @@
 """The hf engine: batched sampling with transformers' generate, returning the sampled tokens' logprobs.
 
+Every row samples from a generator of its own, seeded with its own request's SamplingParams.seed: a row's tokens
+do not depend on which other rows share its batch, its position or the batch size, up to the numerics of
+batched forward passes (on CPU a row's logits move by ~1e-7 with the batch's composition, which can flip a
+sampled token only when its uniform lies within that distance of a CDF boundary; logprobs move by as much).
+
 Logprobs are taken from the raw logits divided by the temperature over the full vocabulary (no top-k), the
 same distribution the RL trainer recomputes, so the importance ratio starts at 1 up to numerics.
 """
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from safetensors.torch import load_file
@@ -33,19 +40,31 @@ class HFEngine:
         self.model.load_state_dict(load_file(str(path)))
         self.policy_version = version
 
-    @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
-        """Sample one completion per prompt; prompts of similar length are batched together."""
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        """Sample one completion per prompt; prompt i is seeded params.seed + i, as the vLLM client does."""
+        return self.generate_each(prompts, [replace(params, seed=params.seed + i) for i in range(len(prompts))])
+
+    @torch.no_grad()
+    def generate_each(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+        """One completion per prompt, each with its own SamplingParams (the engine process's requests).
+
+        Prompts whose settings other than the seed agree are batched together, those of similar length in one
+        batch; each row samples from its own generator, seeded with its own seed.
+        """
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(params):
+            groups.setdefault((p.max_new_tokens, p.temperature, p.top_p), []).append(i)
         out: list[Completion | None] = [None] * len(prompts)
-        gen = torch.Generator().manual_seed(params.seed)
-        for start in range(0, len(order), self.batch_size):
-            idx = order[start:start + self.batch_size]
-            for i, c in zip(idx, self._generate_batch([prompts[i] for i in idx], params, gen)):
-                out[i] = c
+        for members in groups.values():
+            order = sorted(members, key=lambda i: len(prompts[i]))
+            for start in range(0, len(order), self.batch_size):
+                idx = order[start:start + self.batch_size]
+                done = self._generate_batch([prompts[i] for i in idx], params[idx[0]], [params[i].seed for i in idx])
+                for i, c in zip(idx, done):
+                    out[i] = c
         return out
 
-    def _generate_batch(self, prompts, params: SamplingParams, gen: torch.Generator) -> list[Completion]:
+    def _generate_batch(self, prompts, params: SamplingParams, seeds: list[int]) -> list[Completion]:
         """A KV-cached decode loop that drops finished rows at every step.
 
         transformers' generate() keeps every row until the longest is done, so one rambling sample makes the
@@ -59,6 +78,9 @@ class HFEngine:
             mask[row, width - len(p):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # each prompt starts at position 0, as in training
         greedy = params.temperature <= 0
+        # every row's uniforms for every step, from its own generator, drawn up front: one call per row a batch
+        uniforms = None if greedy else torch.stack(
+            [torch.rand(params.max_new_tokens, generator=torch.Generator().manual_seed(s)) for s in seeds])
         stops = torch.tensor(self.stop_ids, dtype=torch.long)
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
@@ -71,7 +93,7 @@ class HFEngine:
             if greedy:
                 tok = logp.argmax(-1)
             else:
-                tok = torch.multinomial(_top_p(logp, params.top_p).exp(), 1, generator=gen).squeeze(1)
+                tok = _inverse_cdf(_top_p(logp, params.top_p).exp(), uniforms[live, t])
             steps.append((live, tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)))
             running = ~torch.isin(tok, stops)
             if t == params.max_new_tokens - 1 or not running.any():
@@ -105,3 +127,13 @@ def _top_p(logp: torch.Tensor, top_p: float) -> torch.Tensor:
     drop_sorted = cum - sorted_lp.exp() >= top_p  # tokens after the mass is already reached
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logp.masked_fill(drop, float("-inf"))
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row the token whose CDF interval holds u * (row total), u in [0, 1): a sample from each row's own
+    uniform, vectorised over rows. A token of probability 0 has an empty interval and is never drawn."""
+    cdf = probs.cumsum(-1)
+    total = cdf[:, -1:]
+    tok = torch.searchsorted(cdf, u.unsqueeze(-1).to(cdf.dtype) * total, right=True)
+    # u * total may round up to total: then the token that brings the CDF to its total (probability > 0)
+    return torch.minimum(tok, torch.searchsorted(cdf, total.contiguous())).squeeze(-1)

@@ -77,7 +77,7 @@ def _worker(model_path, threads, batch_size, max_off_policy_steps, version, cpu,
         batch = [pending.popleft() for _ in range(min(batch_size, len(pending)))]
         t0 = time.perf_counter()
         try:
-            outs = engine.generate([r.prompt_ids for r in batch], batch[0].params)
+            outs = engine.generate_each([r.prompt_ids for r in batch], [r.params for r in batch])
         except Exception:
             res_q.put(("error", traceback.format_exc()))
             return
