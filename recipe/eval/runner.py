@@ -141,7 +141,10 @@ def evaluate(engine: Generator, tokenizer, rows: list[dict], eval_cfg, out_dir: 
         chunk = todo[start:start + per_chunk]
         prompts = [encode_prompt(tokenizer, r["prompt"]) for r in chunk for _ in range(k)]
         params = SamplingParams(max_new_tokens=eval_cfg.max_new_tokens, temperature=eval_cfg.temperature,
-                                top_p=eval_cfg.top_p, seed=eval_cfg.seed + len(rows) - len(todo) + start)
+                                top_p=eval_cfg.top_p,
+                                # sample s of the chunk's problem j gets seed + (first + j) * k + s: one seed per
+                                # (problem, sample), whatever the batching
+                                seed=eval_cfg.seed + (len(rows) - len(todo) + start) * k)
         completions = engine.generate(prompts, params)
         if any(get_env(r["env"]).multi_turn for r in chunk):
             completions = tool_turns(engine, tokenizer, chunk, k, prompts, completions, params)
