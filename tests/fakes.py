@@ -102,3 +102,18 @@ class TokenEngine:
     def close(self):
         if self.on_close is not None:
             self.on_close()
+
+
+def save_tiny_qa_model(folder):
+    """A tiny random Glm4MoeForCausalLM and a tokenizer for `Q<n>` prompts and `<think>t</think><n>` answers,
+    saved to `folder` (the start model of the RL loop's tests)."""
+    from recipe.config import TinyArch
+    from recipe.model import build_tiny_model, build_tokenizer
+
+    tok = build_tokenizer([f"Q{i} <think>t</think>{i}" for i in range(100)], vocab_size=160)
+    arch = TinyArch(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                    num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, n_routed_experts=4,
+                    max_position_embeddings=128)
+    build_tiny_model(arch, tok, seed=0).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return tok

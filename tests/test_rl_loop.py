@@ -16,13 +16,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from recipe.config import TinyArch, load_config
+from recipe.config import load_config
 from recipe.data.schema import message, write_rows
 from recipe.inference.engine import Done
-from recipe.model import build_tiny_model, build_tokenizer
 from recipe.rl import loop
 from recipe.rollout import Completion
 from recipe.runs import Stage, stage_dir, write_atomic
+from tests.fakes import save_tiny_qa_model
 
 RL_SEED = 0
 MAX_GROUPS = 100  # a run of 4 steps of 2 groups needs about a dozen
@@ -85,13 +85,8 @@ def group_of(request) -> int:
 def world(tmp_path_factory):
     """A start model, an RL data split (through its manifest), and the config of a tiny run."""
     root = tmp_path_factory.mktemp("rl_loop")
-    tok = build_tokenizer([f"Q{i} <think>t</think>{i}" for i in range(100)], vocab_size=160)
-    arch = TinyArch(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                    num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, n_routed_experts=4,
-                    max_position_embeddings=128)
     start = root / "start_model"
-    build_tiny_model(arch, tok, seed=0).save_pretrained(start)
-    tok.save_pretrained(start)
+    tok = save_tiny_qa_model(start)
 
     def cfg(max_steps):
         return load_config([f"run_root={root / 'runs'}", f"rl.max_steps={max_steps}", "rl.checkpoint_every=1",

@@ -14,23 +14,18 @@ ratio, so even identical batches give weights equal only to ~1e-6 unless both ru
 import json
 
 
-from recipe.config import TinyArch, load_config
+from recipe.config import load_config
 from recipe.data.schema import message, write_rows
 from recipe.envs.base import RewardResult
 from recipe.envs.math import MathEnv
-from recipe.model import build_tiny_model, build_tokenizer
 from recipe.rl import loop
 from recipe.runs import Stage, stage_dir, write_atomic
+from tests.fakes import save_tiny_qa_model
 
 
-def test_two_level_0_runs_with_the_hf_engine_process_give_the_same_rewards_and_weights(tmp_path, monkeypatch):
-    tok = build_tokenizer([f"Q{i} <think>t</think>{i}" for i in range(100)], vocab_size=160)
-    arch = TinyArch(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                    num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, n_routed_experts=4,
-                    max_position_embeddings=128)
+def test_two_level_0_runs_sample_the_same_tokens_for_every_group_sampled_with_the_same_weights(tmp_path, monkeypatch):
     start = tmp_path / "start_model"
-    build_tiny_model(arch, tok, seed=0).save_pretrained(start)
-    tok.save_pretrained(start)
+    save_tiny_qa_model(start)
     cfg = load_config([f"run_root={tmp_path / 'runs'}", "rl.max_steps=3", "rl.checkpoint_every=3",
                        "rl.batch_size=2", "rl.rollouts_per_example=2", "rl.max_new_tokens=8", "rl.max_async_level=0",
                        "rl.micro_batch_size=4", "rl.pin_cores=false", "rl.seed=0", "rl.lr=1e-2",

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from fakes import TokenEngine
-from recipe.config import TinyArch, load_config
+from fakes import TokenEngine, save_tiny_qa_model
+from recipe.config import load_config
 from recipe.data.schema import message, write_rows
 from recipe.runs import Stage, StageError, require_done, stage_dir, stage_main, write_atomic
 
@@ -111,16 +111,9 @@ def test_a_second_run_on_a_held_folder_names_the_holder_and_a_killed_holder_bloc
 @pytest.fixture(scope="module")
 def tiny_world(tmp_path_factory):
     """A tiny start model and tokenizer, and sft/rl rows asking `Q<n>`."""
-    from recipe.model import build_tiny_model, build_tokenizer
-
     root = tmp_path_factory.mktemp("guard")
-    tok = build_tokenizer([f"Q{i} <think>t</think>{i}" for i in range(100)], vocab_size=160)
-    arch = TinyArch(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                    num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, n_routed_experts=4,
-                    max_position_embeddings=128)
     model = root / "model"
-    build_tiny_model(arch, tok, seed=0).save_pretrained(model)
-    tok.save_pretrained(model)
+    tok = save_tiny_qa_model(model)
     rows = {split: [{"id": f"q{i}", "env": "math", "task": "add", "split": split,
                      "prompt": [message("user", f"Q{i}")],
                      "completion": [message("assistant", f"<think>t</think>{i}")] if split == "sft" else [],
