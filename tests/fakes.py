@@ -104,13 +104,14 @@ class TokenEngine:
             self.on_close()
 
 
-def save_tiny_qa_model(folder):
-    """A tiny random Glm4MoeForCausalLM and a tokenizer for `Q<n>` prompts and `<think>t</think><n>` answers,
-    saved to `folder` (the start model of the RL loop's tests)."""
+def save_tiny_qa_model(folder, texts=None):
+    """A tiny random Glm4MoeForCausalLM and a tokenizer trained on `texts` (default: `Q<n>` prompts and
+    `<think>t</think><n>` answers), saved to `folder` (the start model of the RL loop's tests)."""
     from recipe.config import TinyArch
     from recipe.model import build_tiny_model, build_tokenizer
 
-    tok = build_tokenizer([f"Q{i} <think>t</think>{i}" for i in range(100)], vocab_size=160)
+    texts = texts or [f"Q{i} <think>t</think>{i}" for i in range(100)]
+    tok = build_tokenizer(texts, vocab_size=160)
     arch = TinyArch(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                     num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, n_routed_experts=4,
                     max_position_embeddings=128)

@@ -26,6 +26,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from recipe.errors import RecipeError
+from tests.fakes import save_tiny_qa_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -125,16 +126,8 @@ def finish_model_stage(cfg, name: str, model: Path | None, damage: Callable | No
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
-    from recipe.config import TinyArch
-    from recipe.model import build_tiny_model, build_tokenizer
-
     out = tmp_path_factory.mktemp("model") / "model"
-    tok = build_tokenizer([f"What is {i}+1? <think>\n</think>\n{i + 1}" for i in range(50)], vocab_size=160)
-    arch = TinyArch(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                    num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, n_routed_experts=4,
-                    max_position_embeddings=128)
-    build_tiny_model(arch, tok, seed=0).save_pretrained(out)
-    tok.save_pretrained(out)
+    save_tiny_qa_model(out, [f"What is {i}+1? <think>\n</think>\n{i + 1}" for i in range(50)])
     return out
 
 
