@@ -66,7 +66,8 @@ def test_code_and_tools_learn_and_rl_calls_the_tool(pipeline):
     assert avg["rl"]["code"] >= avg["sft"]["code"] - 0.03  # not worse: most of RL's budget goes elsewhere
     records = [json.loads(x) for x in (root / "tiny" / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["tool_calls"] for r in records) > 1000
-    assert {"code", "tools"} <= set(records[-1]["reward_by_env"])
+    # RL trained on both: batches draw environments at random, so look at every step, not only the last
+    assert {"code", "tools"} <= {e for r in records for e in r["reward_by_env"]}
     rl_samples = [json.loads(x) for x in (root / "tiny" / "eval" / "rl" / "samples.jsonl").read_text().splitlines()]
     tool_samples = [x for x in rl_samples if x["env"] == "tools"]
     assert sum("<tool_response>" in x["completion"] for x in tool_samples) > len(tool_samples) / 2
