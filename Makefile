@@ -9,14 +9,14 @@ STAMP := $(VENV)/.installed
 RUN := $(PY) -m
 OVERRIDES := preset=$(PRESET) $(ARGS)
 
-.PHONY: all setup data base sft rl eval report test test-fast bench-rl bench-sandbox plan lock clean help
+.PHONY: all setup data base sft rl eval report test test-fast bench-rl bench-sandbox soak plan lock clean help
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make all      data, base, sft, rl, eval on PRESET=$(PRESET), then RESULTS.md"
 	@echo "make test     unit tests and the end-to-end tiny pipeline"
 	@echo "make test-fast  unit tests only (not the slow end-to-end ones)"
-	@echo "stages: data base sft rl eval report; bench-rl bench-sandbox; plan (SLURM dry run); setup; clean"
+	@echo "stages: data base sft rl eval report; bench-rl bench-sandbox soak; plan (SLURM dry run); setup; clean"
 
 all: data base sft rl eval
 
@@ -53,6 +53,8 @@ bench-rl: sft
 	$(RUN) recipe.rl.bench $(OVERRIDES)
 bench-sandbox: setup
 	$(RUN) recipe.sandbox.bench $(OVERRIDES)
+soak: sft
+	$(RUN) recipe.rl.soak $(OVERRIDES)
 
 test: setup
 	$(PY) -m pytest -q -x tests

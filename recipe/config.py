@@ -222,6 +222,8 @@ class RLConfig:
     train_threads: int = 1
     micro_batch_size: int = 64
     bench_steps: int = 40  # steps of each run of `make bench-rl` (levels 0, 1, 2)
+    soak_steps: int = 200  # steps of `make soak` (RL with the memory of every process sampled)
+    soak_sample_s: float = 1.0  # seconds between two memory samples of `make soak`
     pin_cores: bool = True  # hf engine on core 1, trainer on core 0: generation and training on separate cores
     # offline filter on rows' precomputed pass rate (the difficulty column of hub data); null = off
     max_pass_rate: Optional[float] = None
@@ -396,6 +398,8 @@ RANGES: dict[str, Range] = {
     "rl.train_threads": AT_LEAST_1,
     "rl.micro_batch_size": AT_LEAST_1,
     "rl.bench_steps": AT_LEAST_1,
+    "rl.soak_steps": AT_LEAST_1,
+    "rl.soak_sample_s": POSITIVE,
     "rl.max_pass_rate": SHARE,
     "rl.vllm_port": Range(1, 65535),
     "rl.vllm_gpu_memory_utilization": SHARE_OPEN,

@@ -118,3 +118,19 @@ def save_tiny_qa_model(folder, texts=None):
     build_tiny_model(arch, tok, seed=0).save_pretrained(folder)
     tok.save_pretrained(folder)
     return tok
+
+
+def write_math_rl_data(cfg, n=40):
+    """A finished data stage of `n` math RL rows `Q<i>` -> `<i>` under cfg's run root (manifest and DONE.json
+    as `make data` writes them), for RL runs from save_tiny_qa_model."""
+    import json
+
+    from recipe.data.schema import message, write_rows
+    from recipe.runs import Stage, stage_dir, write_atomic
+
+    data = stage_dir(cfg, "data")
+    rows = [{"id": f"q{i}", "env": "math", "task": "add", "split": "rl", "prompt": [message("user", f"Q{i}")],
+             "completion": [], "answer": str(i), "info": "{}", "difficulty": 0.0, "tools": "[]"} for i in range(n)]
+    sha = write_rows(rows, data / "rl.parquet")
+    write_atomic(data / "data_manifest.json", json.dumps({"files": {"rl.parquet": {"rows": n, "sha256": sha}}}))
+    write_atomic(data / "DONE.json", json.dumps({"config_hash": Stage(cfg, "data").hash}))

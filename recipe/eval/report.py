@@ -106,6 +106,29 @@ def sandbox_section(cfg) -> str:
             f"**{b['programs_per_s']:.1f} programs/s**. Commit {_commit(prov)}, {prov['hardware']['cpus']} CPUs.\n")
 
 
+def soak_section(cfg) -> str:
+    b = _bench_json(cfg, "soak")
+    if b is None:
+        return "_No soak yet: run `make soak`._\n"
+    prov = b["provenance"]
+    out = [f"Reproduce: `{b['command']}`. {b['steps']} RL steps in one run; the resident memory (RSS) of every "
+           f"process sampled every {b['sample_s']:g} s ({b['samples']} samples). Growth = a least-squares line of "
+           "RSS against step after the warm-up (the first fifth of the steps), over the steps it covers; flat = "
+           "growth under 5% of the median or 16 MB. Sandbox runs are short-lived processes: their largest sum "
+           f"at one sample was {b['sandbox_max_mb']:.0f} MB. Commit {_commit(prov)}, "
+           f"{prov['hardware']['cpus']} CPUs, load {b['load_avg_1m_at_end']:.1f} at the end.\n\n",
+           "| process | median MB after warm-up | min MB | max MB | growth MB (steps after warm-up) | flat |\n",
+           "|---|---|---|---|---|---|\n"]
+    for r in b["roles"]:
+        if r["flat"] is None:
+            out.append(f"| {r['role']} | {r['reason']} | | | | |\n")
+            continue
+        out.append(f"| {r['role']} | {r['median_mb']:.0f} | {r['min_mb']:.0f} | {r['max_mb']:.0f} | "
+                   f"{r['growth_mb']:+.1f} | {'yes' if r['flat'] else '**no**'} |\n")
+    out.append(f"\n![RSS by process]({b['figure']})\n")
+    return "".join(out)
+
+
 def _benchmark_cell(path: Path, paper_k: int) -> str:
     if not path.exists():
         return "not run"
@@ -259,6 +282,7 @@ def write_report(cfg) -> Path:
     parts += ["\n## Paper benchmarks\n\n", paper_section(cfg)]
     parts += ["\n## Performance: asynchronous against synchronous RL\n\n", bench_section(cfg)]
     parts += ["\n## Performance: code sandbox throughput\n\n", sandbox_section(cfg)]
+    parts += ["\n## Memory over a long RL run\n\n", soak_section(cfg)]
     write_atomic(path, "".join(parts))
     return path
 

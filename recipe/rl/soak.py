@@ -1,0 +1,182 @@
+"""`make soak`: a long RL run with the resident memory (RSS) of every process sampled, to show it stays flat.
+
+Runs rl.soak_steps steps of the RL loop (asynchronous, as `make rl`) from the SFT model into
+runs/<preset>/bench/soak/, while a thread samples RSS every rl.soak_sample_s seconds: the stage's own process
+(trainer and orchestrator), the engine process, and the short-lived sandbox processes summed as one role.
+After a warm-up (the first fifth of the steps: allocator pools, the engine's caches and the optimizer state fill
+up), a least-squares line of RSS against step gives each role's growth over the rest of the run; a role is flat
+when that growth is under FLAT_SHARE of its median RSS after warm-up (or under FLAT_MB, whichever is larger:
+a few MB of allocator noise is not a leak). Writes soak.json, rss.jsonl, and a figure that RESULTS.md shows.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+from omegaconf import OmegaConf
+
+from recipe.eval.report import write_report
+from recipe.rl.loop import run_rl
+from recipe.runs import provenance, require_done, stage_dir, stage_main, write_atomic
+
+WARMUP_SHARE = 0.2
+FLAT_SHARE = 0.05
+FLAT_MB = 16.0
+MB = 1 << 20
+
+
+def _role(proc: psutil.Process, me: int) -> str:
+    if proc.pid == me:
+        return "trainer"
+    try:
+        cmd = " ".join(proc.cmdline())
+    except psutil.Error:
+        return "other"
+    # the hf engine is a spawned multiprocessing child; multiprocessing's resource tracker is a helper;
+    # everything else the stage starts is a sandbox run (code rewards, the python tool)
+    if "spawn_main" in cmd:
+        return "engine"
+    if "multiprocessing" in cmd:
+        return "helper"
+    return "sandbox"
+
+
+class RSSSampler:
+    """Samples RSS by role (trainer, engine, sandbox) of this process and all its descendants, in a thread."""
+
+    def __init__(self, interval_s: float, step_of, out: Path):
+        self.interval_s, self.step_of, self.out = interval_s, step_of, out
+        self.rows: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="rss-sampler")
+        self._t0 = time.perf_counter()
+
+    def sample(self) -> dict:
+        me = os.getpid()
+        root = psutil.Process(me)
+        rss: dict[str, float] = {}
+        procs: dict[str, int] = {}
+        for p in [root, *root.children(recursive=True)]:
+            try:
+                mb = p.memory_info().rss / MB
+            except psutil.Error:  # a sandbox run that ended between listing and reading
+                continue
+            role = _role(p, me)
+            rss[role] = rss.get(role, 0.0) + mb
+            procs[role] = procs.get(role, 0) + 1
+        return {"t": round(time.perf_counter() - self._t0, 2), "step": self.step_of(),
+                "rss_mb": {k: round(v, 2) for k, v in sorted(rss.items())}, "processes": procs}
+
+    def _run(self) -> None:
+        with self.out.open("a") as f:
+            while not self._stop.is_set():
+                row = self.sample()
+                self.rows.append(row)
+                f.write(json.dumps(row) + "\n")
+                f.flush()
+                self._stop.wait(self.interval_s)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+def summarize(rows: list[dict], steps: int, role: str) -> dict:
+    """Growth of one role's RSS after warm-up: least-squares slope against step, times the steps it covers."""
+    warm = max(1, int(steps * WARMUP_SHARE))
+    pts = [(r["step"], r["rss_mb"][role]) for r in rows if r["step"] >= warm and role in r["rss_mb"]]
+    if len(pts) < 3 or len({s for s, _ in pts}) < 2:
+        return {"role": role, "samples": len(pts), "flat": None, "reason": "too few samples after warm-up"}
+    xs, ys = [s for s, _ in pts], [v for _, v in pts]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x in xs)
+    span = max(xs) - min(xs)
+    growth = slope * span
+    median = statistics.median(ys)
+    bound = max(FLAT_SHARE * median, FLAT_MB)
+    return {"role": role, "samples": len(pts), "warmup_steps": warm, "median_mb": median,
+            "min_mb": min(ys), "max_mb": max(ys), "slope_mb_per_100_steps": slope * 100,
+            "growth_mb": growth, "bound_mb": bound, "flat": abs(growth) <= bound}
+
+
+def write_figure(rows: list[dict], png: Path, warm: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 3.4))
+    for role in sorted({k for r in rows for k in r["rss_mb"]}):
+        pts = [(r["step"], r["rss_mb"][role]) for r in rows if role in r["rss_mb"]]
+        ax.plot([s for s, _ in pts], [v for _, v in pts], label=role, marker="." if role == "sandbox" else None,
+                linestyle="none" if role == "sandbox" else "-")
+    ax.axvline(warm, color="grey", linestyle=":", label="end of warm-up")
+    ax.set(title="RSS by process during RL", xlabel="step", ylabel="MB")
+    ax.legend()
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=80, metadata={"Software": None})
+    plt.close(fig)
+
+
+def run_soak(cfg, start_model: Path, out: Path, figure: Path) -> dict:
+    """rl.soak_steps RL steps from start_model into `out`, RSS sampled; returns the summary (and draws the figure)."""
+    steps = cfg.rl.soak_steps
+    shutil.rmtree(out, ignore_errors=True)  # a soak is one uninterrupted run: a resumed one would hide growth
+    out.mkdir(parents=True)
+    metrics = out / "metrics.jsonl"
+
+    def step_of() -> int:
+        try:
+            with metrics.open("rb") as f:
+                return sum(1 for _ in f)
+        except FileNotFoundError:
+            return 0
+
+    run_cfg = OmegaConf.merge(cfg, {"rl": {"max_steps": steps, "checkpoint_every": steps}})
+    with RSSSampler(cfg.rl.soak_sample_s, step_of, out / "rss.jsonl") as sampler:
+        run_rl(run_cfg, out, start_model)
+    rows = sampler.rows + [sampler.sample()]  # and one after the last step
+    roles = [summarize(rows, steps, r) for r in ("trainer", "engine")]
+    sandbox = [r["rss_mb"]["sandbox"] for r in rows if "sandbox" in r["rss_mb"]]
+    warm = max(1, int(steps * WARMUP_SHARE))
+    write_figure(rows, figure, warm)
+    for r in roles:
+        if r["flat"] is None:
+            print(f"soak: {r['role']}: {r['reason']}")
+        else:
+            print(f"soak: {r['role']}: median {r['median_mb']:.0f} MB after warm-up, growth {r['growth_mb']:+.1f} MB "
+                  f"over steps {warm}-{steps} (bound {r['bound_mb']:.0f} MB): {'flat' if r['flat'] else 'GROWING'}")
+    return {"steps": steps, "sample_s": cfg.rl.soak_sample_s, "samples": len(rows), "roles": roles,
+            "sandbox_max_mb": max(sandbox, default=0.0), "sandbox_samples": len(sandbox),
+            "flat": all(r["flat"] for r in roles), "load_avg_1m_at_end": os.getloadavg()[0]}
+
+
+@stage_main
+def main(cfg):
+    # beside the learning curves: the repository's results/ for the default run root, else the run root's own
+    root = Path(".") if cfg.run_root == "runs" else Path(cfg.run_root)
+    figure = Path("results") / f"{cfg.preset}_soak.png"
+    started = time.time()
+    result = run_soak(cfg, require_done(cfg, "sft") / "model", stage_dir(cfg, "bench") / "soak", root / figure)
+    overrides = " ".join(a for a in sys.argv[1:] if not a.startswith(("preset=", "run_root=")))
+    result |= {"figure": str(figure),
+               "command": f"make soak PRESET={cfg.preset}" + (f' ARGS="{overrides}"' if overrides else ""),
+               "provenance": provenance(cfg, "soak", "", started, inputs={}, outputs={})}
+    write_atomic(stage_dir(cfg, "bench") / "soak.json", json.dumps(result, indent=2, sort_keys=True))
+    print(f"report: wrote {write_report(cfg)}")
+
+
+if __name__ == "__main__":
+    main()

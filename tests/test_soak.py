@@ -1,0 +1,54 @@
+"""`make soak` (recipe.rl.soak): RSS of every process sampled during RL, and the flatness verdict.
+
+The verdict's arithmetic on series whose answer is known (flat with noise, a steady leak, warm-up growth
+only), then a short real soak with the hf engine process: both roles sampled on every row, the summary and the
+figure written.
+"""
+import json
+import random
+
+from recipe.config import load_config
+from recipe.envs.base import RewardResult
+from recipe.envs.math import MathEnv
+from recipe.rl import soak
+from tests.fakes import save_tiny_qa_model, write_math_rl_data
+
+
+def _rows(values_by_step):
+    return [{"step": s, "rss_mb": {"trainer": v}} for s, v in values_by_step]
+
+
+def test_noise_is_flat_a_leak_is_not_and_warm_up_growth_does_not_count():
+    rnd = random.Random(0)
+    noisy = _rows((s, 500 + rnd.uniform(-8, 8)) for s in range(0, 201))
+    assert soak.summarize(noisy, 200, "trainer")["flat"] is True
+    leak = _rows((s, 500 + 0.5 * s) for s in range(0, 201))  # 80 MB over steps 40-200: 16% of the median
+    res = soak.summarize(leak, 200, "trainer")
+    assert res["flat"] is False and abs(res["growth_mb"] - 80) < 1e-6 and abs(res["slope_mb_per_100_steps"] - 50) < 1e-6
+    warm = _rows((s, 300 + 5 * min(s, 30)) for s in range(0, 201))  # grows during warm-up only
+    assert soak.summarize(warm, 200, "trainer")["flat"] is True
+    assert soak.summarize(_rows([(50, 1.0)]), 200, "trainer")["flat"] is None  # too few samples to say
+
+
+def test_a_short_soak_samples_the_trainer_and_the_engine_process(tmp_path, monkeypatch):
+    start = tmp_path / "start_model"
+    save_tiny_qa_model(start)
+    cfg = load_config([f"run_root={tmp_path / 'runs'}", "rl.soak_steps=5", "rl.soak_sample_s=0.2",
+                       "rl.batch_size=2", "rl.rollouts_per_example=2", "rl.max_new_tokens=8",
+                       "rl.micro_batch_size=4", "rl.pin_cores=false", "rl.engine=hf",
+                       "~rl.env_mix.logic", "~rl.env_mix.code", "~rl.env_mix.tools", "rl.env_mix.math=1.0"])
+    write_math_rl_data(cfg)
+    # a random model never answers right: reward a property of the sampled text, so groups carry signal
+    monkeypatch.setattr(MathEnv, "score", lambda self, text, row: RewardResult(float(sum(map(ord, text)) % 2)))
+    figure = tmp_path / "soak.png"
+    res = soak.run_soak(cfg, start, tmp_path / "soak", figure)
+    rows = [json.loads(x) for x in (tmp_path / "soak" / "rss.jsonl").read_text().splitlines()]
+    assert len(rows) >= 3 and rows[-1]["step"] >= 4
+    # the stage's own process from the first sample; the engine process once it is up, at 10+ MB each
+    assert all(r["rss_mb"]["trainer"] > 10 for r in rows)
+    with_engine = [r for r in rows if "engine" in r["rss_mb"]]
+    assert with_engine and all(r["rss_mb"]["engine"] > 10 and r["processes"]["engine"] == 1 for r in with_engine)
+    assert [r["role"] for r in res["roles"]] == ["trainer", "engine"]
+    assert figure.stat().st_size > 1000
+    steps = [json.loads(x)["step"] for x in (tmp_path / "soak" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
