@@ -6,6 +6,7 @@ replies to tool calls and the model goes on, and the finished sample is scored. 
   logprob 0). Its completion() is the sample the trainer and the eval runner see.
 - next_reply asks the environment for its reply to the last model turn; score_sample scores a finished sample
   (masked, whatever its text, when a tool failed rather than the model).
+- A transcript that has used up the model's context ends where it stands, as truncated (see next_reply).
 """
 from __future__ import annotations
 
@@ -54,6 +55,7 @@ class Transcript:
     finish_reason: str = "stop"
     policy_version: int | None = None
     mask_reason: str | None = None
+    out_of_context: bool = False  # ended because the next turn would not fit the model's context
 
     def add_model(self, completion: Completion) -> None:
         self.ids += completion.token_ids
@@ -75,8 +77,15 @@ class Transcript:
                           loss_mask=list(self.loss_mask), turns=self.turns, mask_reason=self.mask_reason)
 
 
-def next_reply(env: Environment, tokenizer, transcript: Transcript, row: dict) -> list[int] | None:
-    """Token ids of the environment's reply to the last model turn, or None when the sample is final."""
+def next_reply(env: Environment, tokenizer, transcript: Transcript, row: dict,
+               room: int | None = None) -> list[int] | None:
+    """Token ids of the environment's reply to the last model turn, or None when the sample is final.
+
+    `room`: how many tokens the transcript may hold before the next model turn (the context less the prompt and
+    max_new_tokens; None: no limit). A reply that would leave the next turn no room ends the sample here, as
+    truncated (finish_reason "length", out_of_context): it is scored as it stands, not masked, as prime-rl
+    (verifiers' multi-turn rollouts) treats a rollout that ran out of context: a truncated sample.
+    """
     if not env.multi_turn or transcript.turns >= env.max_turns or transcript.finish_reason != "stop":
         return None
     try:
@@ -84,7 +93,14 @@ def next_reply(env: Environment, tokenizer, transcript: Transcript, row: dict) -
     except MaskSample as e:  # the sample ends here, masked
         transcript.mask_reason = str(e)
         return None
-    return None if reply is None else tokenizer.encode(reply, add_special_tokens=False)
+    if reply is None:
+        return None
+    ids = tokenizer.encode(reply, add_special_tokens=False)
+    if room is not None and len(transcript.ids) + len(ids) > room:
+        transcript.finish_reason = "length"
+        transcript.out_of_context = True
+        return None
+    return ids
 
 
 def score_sample(env: Environment, text: str, row: dict, completion: Completion) -> RewardResult:

@@ -13,6 +13,7 @@ at its next safe point (RL and SFT: after the current step, with a checkpoint) w
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -51,15 +52,22 @@ LOCK_NAME = ".lock"  # in the stage folder; kept when the folder is wiped (anoth
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:
-    """Write to a temporary file in the same folder, fsync, then rename: readers see old or new, never half."""
+    """Write to a temporary file in the same folder, fsync, then rename: readers see old or new, never half.
+    A write that fails (a full disk) leaves the old file as it was and no temporary file behind."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.filename is None:  # a write or fsync that failed says no file: name the one it was for
+            raise OSError(e.errno, e.strerror, str(path)) from None
+        raise
 
 
 def safetensors_problem(path: Path) -> str | None:
@@ -331,9 +339,14 @@ class MetricsLog:
 
     def log(self, record: dict) -> None:
         with open(self.path, "a") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+            size = f.tell()
+            try:
+                f.write(json.dumps(record, sort_keys=True) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            except OSError:  # a full disk: no half line for the resume to read
+                f.truncate(size)
+                raise
 
 
 class Stopped(BaseException):
@@ -393,9 +406,40 @@ STOP = StopRequest()
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
+FULL_DISK = (errno.ENOSPC, errno.EDQUOT)
+DISK_FULL_WORDS = ("No space left on device", "Disk quota exceeded", "os error 28", "os error 122")
+LOW_SPACE_BYTES = 1 << 20  # less free than this where a stage writes: a writer's failure is put down to it
+
+
+def _existing(path: Path) -> Path:
+    """`path`, or its nearest folder above that exists (where the file system can be asked)."""
+    path = Path(path)
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def full_disk(e: BaseException, where: Path) -> bool:
+    """Whether error `e` of a stage writing under `where` comes from a full disk (or quota): an OSError that says
+    so, a library's error whose text does (safetensors), or one that does not say why (torch.save's "unexpected
+    pos") raised while the file system holding `where` has next to nothing free."""
+    if isinstance(e, OSError) and e.errno in FULL_DISK:
+        return True
+    if any(w in str(e) for w in DISK_FULL_WORDS):
+        return True
+    try:
+        st = os.statvfs(_existing(where))
+    except OSError:
+        return False
+    free = st.f_bfree if os.geteuid() == 0 else st.f_bavail  # root may also write the reserved blocks
+    return free * st.f_frsize < LOW_SPACE_BYTES
+
+
 def stage_main(fn):
     """Entry-point wrapper: the recipe's errors become one clear line on stderr and exit code 2; SIGTERM and
-    SIGINT stop the stage with one line and exit code 128 + signal (see StopRequest)."""
+    SIGINT stop the stage with one line and exit code 128 + signal (see StopRequest). A full disk (or quota, or
+    a read-only file system) is one line too, naming the path; what was written before stays as it was (every
+    completion marker, checkpoint and weights file is written aside and renamed into place)."""
 
     def main(argv=None):
         spec = getattr(sys.modules.get(fn.__module__), "__spec__", None)  # `python -m recipe.sft`: __main__
@@ -404,6 +448,20 @@ def stage_main(fn):
         STOP.reset()
         main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be installed
         previous = {s: signal.signal(s, STOP.handler) for s in STOP_SIGNALS} if main_thread else {}
+        cfg = None
+
+        def folder() -> Path:  # where the stage writes: named when the failing write names no file
+            if cfg is None:
+                return Path.cwd()
+            return stage_dir(cfg, name) if name in STAGE_KEYS else Path(cfg.run_root) / cfg.preset
+
+        def out_of_space(e: BaseException, where) -> None:
+            full = isinstance(e, OSError) and e.errno in FULL_DISK
+            reason = os.strerror(e.errno if full else errno.ENOSPC)  # (a library's strerror is its own prose)
+            print(f"error: cannot write {where}: {reason} (free space there, or pass run_root=<dir> on another "
+                  f"disk; the stage is not marked done, and a rerun resumes or redoes it)", file=sys.stderr)
+            sys.exit(2)
+
         try:
             cfg = load_config(argv)
             return fn(cfg)
@@ -417,13 +475,22 @@ def stage_main(fn):
             print(f"{name}: stopped by {signal.Signals(e.signum).name}; {detail}", file=sys.stderr)
             sys.exit(128 + e.signum)
         except OSError as e:  # the file system refused a path: read-only, full, a file where a folder goes
-            if os.environ.get("RECIPE_DEBUG") or e.filename is None:
+            if os.environ.get("RECIPE_DEBUG"):
                 raise
-            print(f"error: cannot write or read {e.filename}: {e.strerror} (check run_root and its permissions)",
-                  file=sys.stderr)
+            if e.errno in FULL_DISK:
+                out_of_space(e, e.filename or folder())
+            if e.filename is None and e.errno != errno.EROFS:
+                raise
+            print(f"error: cannot write or read {e.filename or folder()}: {e.strerror} (check run_root and its "
+                  f"permissions)", file=sys.stderr)
             sys.exit(2)
+        except Exception as e:  # a library's own error for a full disk (safetensors, torch.save)
+            if os.environ.get("RECIPE_DEBUG") or not full_disk(e, folder()):
+                raise
+            out_of_space(e, folder())
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
+            STOP.reset()  # a stop request belongs to this stage: work run later in this process must not see it
 
     return main

@@ -81,7 +81,6 @@ class TokenEngine:
 
     def poll(self, timeout=None):
         import math
-        import re
 
         with self.lock:
             batch, self.pending = self.pending, []
@@ -91,13 +90,19 @@ class TokenEngine:
         time.sleep(self.delay)
         out = []
         for r in batch:
-            n = re.search(r"Q(\d+)", self.tok.decode(r.prompt_ids)).group(1)
+            n = self.answer(self.tok.decode(r.prompt_ids))
             # sample 0 of its group: the orchestrator seeds sample s of group g rl.seed * 1_000_003 + g * 1000 + s
             right = r.params.seed % 1000 == 0  # (so: run with rl.seed=0)
             ids = self.tok.encode(f"<think>t</think>{n if right else -1}", add_special_tokens=False)
             ids = (ids + [self.stop_id])[:r.params.max_new_tokens]
             out.append((r.id, Completion(ids, [-math.log(len(self.tok))] * len(ids), "stop", self.policy_version)))
         return Done(out, 0.01)
+
+    def answer(self, prompt: str) -> str:
+        """The right answer to `prompt` (`Q<n>` asks for n)."""
+        import re
+
+        return re.search(r"Q(\d+)", prompt).group(1)
 
     def close(self):
         if self.on_close is not None:

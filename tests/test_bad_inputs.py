@@ -1,7 +1,10 @@
 """Bad input, and what you see: every row of README's table of that name is a case here, and every case a row.
 
 A case runs a stage's entry point in-process (what `python -m recipe.<stage> ARGS` runs; stage_main prints the
-error and exits) and checks the one line on stderr, the exit code, and that no traceback escaped. Cases without a
+error and exits) and checks the one line on stderr, the exit code, and that no traceback escaped; some check
+what the stage left behind too. Conditions are made real where a test can: a full disk is a small tmpfs mounted
+on the run root (root only: the case is skipped otherwise), SIGTERM is sent to the test's own process (from the
+stage's first metrics record), a held folder is a lock taken on it. Cases without a
 command (a hub row, an orchestrator input) call the function that reads the input and check the RecipeError that
 the stage would print. A handful run as real subprocesses, for the exit code and stderr of the process itself.
 
@@ -26,7 +29,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from recipe.errors import RecipeError
-from tests.fakes import save_tiny_qa_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -40,6 +42,12 @@ class Case:
     setup: Callable | None = None  # setup(root, cfg, monkeypatch): the run folders the case needs
     call: Callable | None = None  # for cases without a command: call(tmp_path) raises the RecipeError
     exit: int = 2
+    check: Callable | None = None  # check(runs): what the stage left behind
+
+    @property
+    def marker(self) -> str:
+        """The stderr line the case checks starts with this: `error:`, or a stop's `<stage>: stopped by ...`."""
+        return "error:" if self.message.startswith("error:") else self.message.split(";")[0]
 
     @property
     def stage(self) -> str:
@@ -126,6 +134,8 @@ def finish_model_stage(cfg, name: str, model: Path | None, damage: Callable | No
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
+    from tests.fakes import save_tiny_qa_model  # here: `python tests/test_bad_inputs.py` has no `tests` package
+
     out = tmp_path_factory.mktemp("model") / "model"
     save_tiny_qa_model(out, [f"What is {i}+1? <think>\n</think>\n{i + 1}" for i in range(50)])
     return out
@@ -242,6 +252,95 @@ def read_only_root(cfg, mp, model):
 
 def run_root_is_a_file(cfg, mp, model):
     Path(cfg.run_root).write_text("not a folder")
+
+
+FULL_DISK_KB = 96  # a run root this small takes the config and the small splits, not a 256 kB pretraining split
+
+
+def full_disk_during_data(cfg, mp, model):
+    """The run root is a tmpfs of FULL_DISK_KB kB; the pretraining split (random text: parquet cannot shrink it)
+    does not fit. Returns the unmount."""
+    from recipe.config import DataSource
+    from recipe.data import __main__ as data_main
+
+    if os.geteuid() != 0:
+        pytest.skip("a full disk is a small tmpfs mounted on the run root: mounting needs root")
+    root = Path(cfg.run_root)
+    root.mkdir(parents=True)
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={FULL_DISK_KB}k", "tmpfs", str(root)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    splits = {"sft": sft_rows(), "rl": [row(i, split="rl") for i in range(4)], "eval": [row(i) for i in range(2)],
+              "pretrain": [{"text": os.urandom(512).hex()} for _ in range(256)]}
+    mp.setitem(data_main.BUILDERS, DataSource.tiny, lambda data_cfg: splits)
+    return lambda: subprocess.run(["umount", str(root)], check=True)
+
+
+def nothing_done_nothing_half_written(runs: Path) -> None:
+    data = runs / "tiny" / "data"
+    assert not (data / "DONE.json").exists() and not (data / "pretrain.parquet").exists()
+    assert (data / "config.yaml").exists() and (data / "sft.parquet").exists()  # written before the disk filled
+    assert not [p.name for p in data.iterdir() if ".tmp" in p.name]  # no temporary file holds on to space
+
+
+def sigterm_at_first_metrics(mp) -> None:
+    """SIGTERM to this process once the stage has logged its first metrics record (as `kill` would send it)."""
+    import signal
+
+    from recipe.runs import MetricsLog
+
+    log = MetricsLog.log
+
+    def log_then_term(self, record):
+        log(self, record)
+        if not getattr(self, "signalled", False):
+            self.signalled = True
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    mp.setattr(MetricsLog, "log", log_then_term)
+
+
+def sigterm_during_sft(cfg, mp, model):
+    """The first record comes at step 1 (sft.logging_steps=1), after that step's end: the stop, at step 2's."""
+    with_base()(cfg, mp, model)
+    sigterm_at_first_metrics(mp)
+
+
+def sigterm_during_rl(cfg, mp, model):
+    from recipe.rl import loop
+    from tests.fakes import TokenEngine
+
+    class Answers(TokenEngine):  # the rows ask "What is <i>+1?"
+        def answer(self, prompt):
+            return str(int(re.search(r"(\d+)\+1", prompt).group(1)) + 1)
+
+    with_sft()(cfg, mp, model)
+    mp.setattr(loop, "make_engine", lambda c, path, version, log_dir: Answers(load_tokenizer(path), version))
+    sigterm_at_first_metrics(mp)
+
+
+def load_tokenizer(path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def stopped_with_a_checkpoint(stage: str, checkpoint: str):
+    def check(runs: Path) -> None:
+        d = runs / "tiny" / stage
+        assert (d / "checkpoints" / checkpoint).is_dir() and not (d / "DONE.json").exists()
+    return check
+
+
+def held_data_folder(cfg, mp, model):
+    """Another run holds the data stage's folder: its lock, taken here (flock conflicts between two opens of the
+    file, in one process as in two). Returns the release."""
+    from recipe.runs import StageLock, stage_dir
+
+    lock = StageLock(stage_dir(cfg, "data"), "data")
+    lock.acquire()
+    return lock.release
 
 
 # -- cases without a command: the function that reads the input -------------------------------------------
@@ -512,6 +611,20 @@ CASES = [
          "its permissions)", setup=read_only_root),
     Case("a run root that is a file", "make data", "error: cannot write or read <runs>/tiny/data: Not a directory "
          "(check run_root and its permissions)", setup=run_root_is_a_file),
+    Case("a full disk during a stage", "make data", "error: cannot write <runs>/tiny/data/pretrain.parquet: No space "
+         "left on device (free space there, or pass run_root=<dir> on another disk; the stage is not marked done, "
+         "and a rerun resumes or redoes it)", setup=full_disk_during_data, check=nothing_done_nothing_half_written),
+    Case("a second run on a stage folder in use", "make data", "error: data: <runs>/tiny/data is in use by another "
+         "run (pid … on …, started …: …); wait for it to end or stop it, or pass run_root=<dir> to run elsewhere",
+         setup=held_data_folder),
+    # -- signals: the stage stops at its next step with a checkpoint, exit code 128 + 15
+    Case("SIGTERM (`kill`, a scheduler's time limit) during SFT", "make sft", "sft: stopped by SIGTERM; the next run "
+         "resumes from checkpoint <runs>/tiny/sft/checkpoints/checkpoint-2", args=["sft.logging_steps=1", "sft.threads=1"],
+         setup=sigterm_during_sft, exit=143, check=stopped_with_a_checkpoint("sft", "checkpoint-2")),
+    Case("SIGTERM (`kill`, a scheduler's time limit) during RL", "make rl", "rl: stopped by SIGTERM; the next run "
+         "resumes from checkpoint <runs>/tiny/rl/checkpoints/step_000001 (step 1)",
+         args=["rl.env_mix={math:1.0}", "rl.batch_size=2", "rl.rollouts_per_example=2", "rl.pin_cores=false"],
+         setup=sigterm_during_rl, exit=143, check=stopped_with_a_checkpoint("rl", "step_000001")),
 ]
 
 
@@ -538,18 +651,25 @@ def test_bad_input_gives_one_line_and_exit_2(case, tmp_path, monkeypatch, capsys
         assert len(lines) == 1 and pattern(case.message, runs, tmp_path).match(lines[0]), lines
         return
     argv = [f"run_root={runs}", *case.args]
+    undo = None
     if case.setup is not None:
-        case.setup(load_config(argv), monkeypatch, request.getfixturevalue("tiny_model"))
-    capsys.readouterr()
-    module = {"report": "recipe.eval.report"}.get(case.stage, f"recipe.{case.stage}.__main__")  # as the Makefile
-    main = importlib.import_module(module).main
-    with pytest.raises(SystemExit) as ex:  # any other exception is a traceback: the test fails with it
-        main(argv)
-    err = capsys.readouterr().err
-    assert ex.value.code == case.exit
-    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and "Traceback" not in err, err
-    assert pattern(case.message, runs, tmp_path).match(errors[0]), errors[0]
+        undo = case.setup(load_config(argv), monkeypatch, request.getfixturevalue("tiny_model"))
+    try:
+        capsys.readouterr()
+        module = {"report": "recipe.eval.report"}.get(case.stage, f"recipe.{case.stage}.__main__")  # as the Makefile
+        main = importlib.import_module(module).main
+        with pytest.raises(SystemExit) as ex:  # any other exception is a traceback: the test fails with it
+            main(argv)
+        err = capsys.readouterr().err
+        assert ex.value.code == case.exit
+        lines = [ln for ln in re.split(r"[\r\n]", err) if ln.startswith(case.marker)]
+        assert len(lines) == 1 and "Traceback" not in err, err
+        assert pattern(case.message, runs, tmp_path).match(lines[0]), lines[0]
+        if case.check is not None:
+            case.check(runs)
+    finally:
+        if callable(undo):
+            undo()
 
 
 # -- a handful through a real process: exit code and stderr of `python -m recipe.<stage>` ---------------------
@@ -566,6 +686,63 @@ def test_the_process_exits_2_with_one_line(args, expected, tmp_path):
     assert res.returncode == 2
     assert "Traceback" not in res.stderr
     assert [ln for ln in res.stderr.splitlines() if ln.strip()][-1].startswith(expected), res.stderr
+
+
+# -- a full disk leaves what was written before as it was -----------------------------------------------------
+@pytest.fixture
+def small_disk(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("a full disk is a small tmpfs: mounting needs root")
+    root = tmp_path / "disk"
+    root.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(root)], capture_output=True,
+                         text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    yield root
+    subprocess.run(["umount", str(root)], check=True)
+
+
+def fill(root: Path) -> None:
+    with open(root / "filler", "wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(b"x" * 65536)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+
+
+def test_a_full_disk_leaves_what_was_written_before_as_it_was(small_disk):
+    import torch
+
+    from recipe.rl.trainer import CombinedOptimizer, build_scheduler, latest_checkpoint, publish_weights, save_checkpoint
+    from recipe.runs import MetricsLog, full_disk, write_atomic
+
+    model = torch.nn.Linear(4, 4)
+    opt = CombinedOptimizer([torch.optim.AdamW(model.parameters())])
+    ckpts, weights, marker = small_disk / "checkpoints", small_disk / "weights", small_disk / "DONE.json"
+    save_checkpoint(ckpts, 1, model, opt, build_scheduler(opt, 0), {}, keep=2)
+    publish_weights(model, weights, 1)
+    write_atomic(marker, "old")
+    metrics = MetricsLog(small_disk / "metrics.jsonl")
+    metrics.log({"step": 1})
+    assert not full_disk(RuntimeError("unexpected pos 576 vs 534"), small_disk)
+    fill(small_disk)
+    assert full_disk(RuntimeError("unexpected pos 576 vs 534"), small_disk)  # torch.save's way of saying it
+
+    with pytest.raises(Exception):
+        save_checkpoint(ckpts, 2, model, opt, build_scheduler(opt, 0), {}, keep=2)
+    assert latest_checkpoint(ckpts) == ckpts / "step_000001" and [p.name for p in ckpts.iterdir()] == ["step_000001"]
+    with pytest.raises(Exception):
+        publish_weights(model, weights, 2)
+    assert sorted(p.name for p in weights.iterdir()) == ["LATEST", "policy_000001.safetensors"]
+    with pytest.raises(OSError) as e:
+        write_atomic(marker, "new" * 100_000)
+    assert e.value.errno == errno.ENOSPC and e.value.filename == str(marker)  # the error names the file
+    assert marker.read_text() == "old" and not [p for p in small_disk.iterdir() if ".tmp" in p.name]
+    with pytest.raises(OSError):
+        metrics.log({"step": 2, "note": "x" * 100_000})
+    assert (small_disk / "metrics.jsonl").read_text() == '{"step": 1}\n'  # no half line for a resume to trip on
 
 
 # -- the README's table is these cases ------------------------------------------------------------------------

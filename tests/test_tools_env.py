@@ -125,6 +125,23 @@ def test_single_turn_rows_in_the_same_chunk_keep_their_completion(tmp_path):
     assert by_id["t0"]["completion"] == CALL + REPLY + FINAL
 
 
+PROMPT_LEN = len("<user>Q0<assistant>")  # a tool row's prompt, in CharTokenizer tokens
+
+
+@pytest.mark.parametrize("turns", [1, 2])
+def test_eval_ends_a_transcript_whose_next_turn_would_not_fit_the_context(tmp_path, turns):
+    # room for `turns` calls and the replies before them, the reply after the last one is one token too many
+    room = turns * len(CALL) + turns * len(REPLY) - 1
+    eng = ToolEvalEngine(always_call=True)
+    cfg = EvalConfig(samples=1, pass_k=[1], batch_size=4, max_new_tokens=len(CALL))
+    evaluate(eng, CharTokenizer(), tool_rows(1), cfg, tmp_path, context=PROMPT_LEN + len(CALL) + room)
+    line = json.loads((tmp_path / "samples.jsonl").read_text())
+    assert len(eng.prompts) == turns  # max_turns (3) would have allowed one more
+    assert line["completion"] == (CALL + REPLY) * (turns - 1) + CALL  # as it stands: scored, not masked
+    assert line["reason"] == "no </think>: truncated" and line["score"] == 0 and not line["masked"]
+    assert all(len(p) + len(CALL) <= PROMPT_LEN + len(CALL) + room for call_ in eng.prompts for p in call_)
+
+
 # -- RL -----------------------------------------------------------------------------------------------------
 
 def rl_cfg(**kw):
@@ -417,3 +434,31 @@ def test_an_engine_failure_in_the_background_loop_reaches_next_batch():
             orch.next_batch(0)
     finally:
         orch.close()
+
+
+def test_rl_ends_a_sample_whose_next_turn_would_not_fit_the_context():
+    def answers(prompt, rid):  # per group: sample 0 right at once, 1 wrong at once, 2 and 3 call the calculator
+        if "<tool_response>" in prompt:
+            return FINAL
+        return {0: FINAL, 1: "<think></think>12"}.get(rid % 4, CALL)
+
+    class Recording(ScriptedEngine):
+        longest = 0
+
+        def submit(self, requests):
+            self.longest = max([self.longest] + [len(r.prompt_ids) for r in requests])
+            super().submit(requests)
+
+    m = len(CALL)
+    fits = PROMPT_LEN + len(CALL) + len(REPLY) + m  # exactly room for the reply and a second turn
+    for context, calls in ((fits - 1, 0), (fits, 4)):
+        eng = Recording(answers)
+        orch = Orchestrator(tool_rows(), CharTokenizer(), rl_cfg(max_async_level=0, max_new_tokens=m), eng, seed=0,
+                            context=context)
+        samples, stats = orch.next_batch(0)
+        assert stats["tool_calls"] == calls and eng.longest + m <= context
+        assert stats["out_of_context_samples"] == 4 - calls
+        cut = [s for s in samples if "".join(map(chr, s.completion_ids)) == CALL]
+        # ended at the first call, truncated, and trained on as it stands: reward 0, not masked
+        assert len(cut) == 4 - calls
+        assert all(s.reward == 0 and s.loss_mask == [1] * len(CALL) and s.advantage == -0.25 for s in cut)

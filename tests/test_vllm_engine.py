@@ -215,9 +215,11 @@ STOP = 0
 
 
 class FakeVLLM:
-    """/health, /v1/completions, /collective_rpc and /reset_prefix_cache, as vLLM answers them.
+    """/health, /v1/models, /v1/completions, /collective_rpc and /reset_prefix_cache, as vLLM answers them.
 
     A completion is [100 + number of weight reloads so far, last prompt token + 1, STOP], cut at max_tokens.
+    With `max_model_len` set, /v1/models lists it and a longer prompt plus max_tokens gets HTTP 400, as from
+    vLLM; unset, /v1/models answers 404 (a server that does not say).
     Clearing `gate` holds completions until it is set again. `hits` counts the calls to each path;
     `failures[path]` lists HTTP codes to answer that path with, one call each, before answering as vLLM would.
     """
@@ -225,6 +227,7 @@ class FakeVLLM:
     def __init__(self):
         self.bodies, self.rpcs, self.resets = [], [], []
         self.reloads = 0
+        self.max_model_len: int | None = None
         self.hits = collections.Counter()
         self.failures: dict[str, list[int]] = {}
         self.gate = threading.Event()
@@ -253,8 +256,13 @@ class FakeVLLM:
                 return False
 
             def do_GET(self):
-                if not self.injected_failure(self.path):
-                    self.reply(200 if self.path == "/health" else 404)
+                if self.injected_failure(self.path):
+                    return
+                if self.path == "/v1/models" and fake.max_model_len is not None:
+                    return self.reply(200, {"object": "list", "data": [
+                        {"id": "policy", "object": "model", "created": 0, "owned_by": "vllm", "root": "/m",
+                         "parent": None, "max_model_len": fake.max_model_len, "permission": []}]})
+                self.reply(200 if self.path == "/health" else 404)
 
             def do_POST(self):
                 url = urlparse(self.path)
@@ -266,6 +274,12 @@ class FakeVLLM:
                     if any(t < 0 for t in body["prompt"]):
                         return self.reply(400, {"object": "error", "type": "BadRequestError", "code": 400,
                                                 "message": "prompt token ids must be non-negative"})
+                    asked = len(body["prompt"]) + body["max_tokens"]
+                    if fake.max_model_len is not None and asked > fake.max_model_len:
+                        return self.reply(400, {"object": "error", "type": "BadRequestError", "code": 400,
+                                                "message": f"This model's maximum context length is "
+                                                           f"{fake.max_model_len} tokens. However, you requested "
+                                                           f"{asked} tokens."})
                     fake.gate.wait(30)
                     ids = [100 + fake.reloads, body["prompt"][-1] + 1, STOP][:body["max_tokens"]]
                     lps = [-0.5, -0.25, -0.125][:len(ids)]
@@ -423,6 +437,55 @@ def test_default_stop_ids_are_hf_engines(fake, tmp_path):
         assert fake.bodies[0]["stop_token_ids"] == eng.stop_ids
     finally:
         eng.close()
+
+
+def test_context_is_the_servers_max_model_len_else_the_model_folders(fake, tmp_path):
+    fake.max_model_len = 48
+    eng = connect(fake, tmp_path)
+    try:
+        assert eng.context == 48
+    finally:
+        eng.close()
+    fake.max_model_len = None  # /v1/models answers 404: the folder's config.json says
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 77}))
+    eng = connect(fake, tmp_path)
+    try:
+        assert eng.context == 77
+    finally:
+        eng.close()
+    (tmp_path / "config.json").unlink()
+    eng = connect(fake, tmp_path)
+    try:
+        assert eng.context is None
+    finally:
+        eng.close()
+
+
+def test_eval_on_vllm_skips_prompts_longer_than_the_servers_context(fake, tmp_path, capsys):
+    from recipe.config import EvalConfig
+    from recipe.eval import runner
+    from tests.fakes import CharTokenizer
+
+    def row(i, text):
+        return {"id": f"q{i}", "env": "math", "task": "add", "prompt": [{"role": "user", "content": text}],
+                "answer": "1", "info": "{}"}
+
+    rows = [row(0, "1+0?"), row(1, "x" * 60), row(2, "0+1?")]  # prompts of 21, 77 and 21 characters
+    fake.max_model_len = 40
+    eng = connect(fake, tmp_path)
+    try:
+        res = runner.evaluate(eng, CharTokenizer(), rows, EvalConfig(samples=2, pass_k=[1], max_new_tokens=8),
+                              tmp_path / "eval")
+    finally:
+        eng.close()
+    assert res["skipped_too_long"] == 1 and res["env"]["math"]["problems"] == 2
+    assert sorted(len(b["prompt"]) for b in fake.bodies) == [21] * 4  # the long one never reached the server
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("eval: skipping")]
+    assert err == [f"eval: skipping 1 of 3 problems whose prompt plus max_new_tokens (8) exceeds the model's "
+                   f"context (40); written as skipped to {tmp_path / 'eval' / 'samples.jsonl'}"]
+    skipped = [json.loads(ln) for ln in (tmp_path / "eval" / "samples.jsonl").read_text().splitlines()
+               if "skipped" in ln]
+    assert [r["id"] for r in skipped] == ["q1"]
 
 
 def test_no_server_at_base_url_is_a_clear_error(tmp_path):

@@ -5,7 +5,9 @@ reason), and a rerun skips the problems already there. A masked sample (the veri
 broken sandbox) is written with masked=true; its problem is left out of the metrics and redone by a rerun. A
 problem whose prompt plus max_new_tokens does not fit the model's context is not sampled (the engine would fail
 or hang on it): it is written once with `skipped` (the reason), left out of the metrics and counted in the
-results as `skipped_too_long`.
+results as `skipped_too_long`. The context is the engine's: the hf model's max_position_embeddings, or what the
+vLLM servers take (VLLMEngine.context). A multi-turn sample whose next turn would not fit ends there, truncated,
+and is scored as it stands (recipe.rollout.next_reply).
 """
 from __future__ import annotations
 
@@ -61,7 +63,11 @@ def is_skipped(recs: list[dict]) -> bool:
 
 
 def model_context(engine) -> int | None:
-    """The model's context (max_position_embeddings) from an engine that holds the model, else None."""
+    """The longest prompt plus completion the engine takes: its own `context` (the vLLM engine asks its servers),
+    else max_position_embeddings of the model it holds (the hf engine); None when it says neither."""
+    served = getattr(engine, "context", None)
+    if served is not None:
+        return served
     config = getattr(getattr(engine, "model", None), "config", None)
     return getattr(config, "max_position_embeddings", None)
 
@@ -79,10 +85,11 @@ def too_long(tokenizer, rows: list[dict], max_new_tokens: int, context: int | No
     return out
 
 
-def tool_turns(engine, tokenizer, chunk, k, prompts, completions, params) -> list:
+def tool_turns(engine, tokenizer, chunk, k, prompts, completions, params, context: int | None = None) -> list:
     """Multi-turn rows: append the environment's tool reply and generate again, for every sample still calling
     a tool, until each is final; their completion becomes the whole transcript (model and environment text).
-    Single-turn rows keep their completion."""
+    Single-turn rows keep their completion. With `context`, a sample whose next turn would not fit ends as it
+    stands, truncated."""
     out = list(completions)
     envs = [get_env(r["env"]) for r in chunk]
     ts = {}
@@ -94,7 +101,8 @@ def tool_turns(engine, tokenizer, chunk, k, prompts, completions, params) -> lis
     while active:
         cont = []
         for j in active:
-            reply = next_reply(envs[j // k], tokenizer, ts[j], chunk[j // k])
+            room = None if context is None else context - len(prompts[j]) - params.max_new_tokens
+            reply = next_reply(envs[j // k], tokenizer, ts[j], chunk[j // k], room)
             if reply is not None:
                 ts[j].add_env(reply)
                 cont.append(j)
@@ -147,7 +155,7 @@ def evaluate(engine: Generator, tokenizer, rows: list[dict], eval_cfg, out_dir: 
                                 seed=eval_cfg.seed + (len(rows) - len(todo) + start) * k)
         completions = engine.generate(prompts, params)
         if any(get_env(r["env"]).multi_turn for r in chunk):
-            completions = tool_turns(engine, tokenizer, chunk, k, prompts, completions, params)
+            completions = tool_turns(engine, tokenizer, chunk, k, prompts, completions, params, context)
         texts = [completion_text(tokenizer, c.token_ids) for c in completions]
         envs = [get_env(r["env"]) for r in chunk]
         scores = score_in_threads(lambda j: score_sample(envs[j // k], texts[j], chunk[j // k], completions[j]),

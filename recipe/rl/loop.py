@@ -80,8 +80,10 @@ def _rl_loop(cfg, stage_dir, start_model):
         if step > 0:
             engine.update_weights(publish_weights(accelerator.unwrap_model(model), weights_dir, step), step)
         rows = read_split(require_done(cfg, "data"), "rl")
+        context = accelerator.unwrap_model(model).config.max_position_embeddings
+        served = getattr(engine, "context", None)  # vLLM servers may take less (--max-model-len)
         orch = Orchestrator(rows, tokenizer, rl, engine, seed=rl.seed, max_pass_rate=rl.max_pass_rate,
-                            context=accelerator.unwrap_model(model).config.max_position_embeddings)
+                            context=context if served is None else min(context, served))
         if orch_state:
             orch.load_state_dict(orch_state)
         orch.start()

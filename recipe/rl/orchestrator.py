@@ -2,17 +2,31 @@
 
 - Continuous batching: a group (rollouts_per_example samples of one prompt) is submitted as soon as there is
   room, and each finished group makes room for the next.
+- max_async_level=0 is run to be reproducible bit for bit (see "Level 0" below).
 - Every completion carries the policy version that wrote it. The batch for trainer step s only takes groups
   written by version >= s - max_async_level; older ones are dropped and counted as stale.
   max_async_level=0 is the synchronous baseline: nothing is submitted ahead of the weights it must use.
 - Filters: offline, rows whose precomputed pass rate is above max_pass_rate never enter; online, groups whose
   rewards are all equal (all 0 or all 1) carry no signal and are dropped.
 - Prompts that do not fit the model's context (prompt tokens + max_new_tokens > max_position_embeddings, given
-  as `context`) never enter either: they are counted and left out at start, with one line.
+  as `context`) never enter either: they are counted and left out at start, with one line. A multi-turn sample
+  whose next turn would not fit ends there, truncated (recipe.rollout.next_reply), and is counted.
 - Advantage = reward - mean reward of the group (no division by the std).
 - start() moves the event loop (polling the engine, tool turns, scoring, top-ups) to a thread of its own, so
   that the next tool turn is submitted and rollouts are scored while the trainer works: neither a sandbox run nor
   a tool call sits between two optimizer steps. Without start(), next_batch polls the engine itself (tests).
+
+Level 0 (max_async_level=0): a run repeats bit for bit. Which requests share an engine batch decides the logits
+of each row to ~1e-7 on CPU (padding width, batch size), and those enter the loss through the importance ratio,
+so the batches themselves must repeat, not only the sampled tokens (each request has its own seed). So at level 0:
+  - exactly the groups still needed are submitted (ready + in flight == need: no allowance for filtering);
+  - every request made while one engine event is handled (tool-turn continuations, replacements of filtered
+    groups, top-ups) goes to the engine in one submit call at the end of it, and only once every request sent
+    before has come back: the engine process takes one submit call as its pending set, so each engine batch is
+    that set (split in gen_batch_size chunks, first in first out), the same in every run;
+  - a batch holds its groups in group-id order; nothing is left in flight when it is full, so nothing is
+    stale or cancelled when the weights change, and no decision reads the clock.
+Levels 1 and 2 submit each request at once and keep the filter allowance: the engine is never left waiting.
 """
 from __future__ import annotations
 
@@ -76,6 +90,7 @@ class Orchestrator:
         self.tokenizer = tokenizer
         rows, self.offline_dropped = offline_filter(rows, max_pass_rate)
         self.too_long = 0
+        self.context = context
         if context is not None:
             fit = [r for r in rows if len(encode_prompt(tokenizer, r["prompt"])) + rl_cfg.max_new_tokens <= context]
             self.too_long = len(rows) - len(fit)
@@ -104,6 +119,7 @@ class Orchestrator:
         self.next_rid = 0
         self.inflight: dict[int, Group] = {}
         self.requests: dict[int, tuple[int, int]] = {}  # request id -> (group id, sample index)
+        self.outbox: list[Request] = []  # made, not yet sent to the engine (level 0: see the module docstring)
         self.ready: deque[Group] = deque()
         self.counters = Counter()
         self.gen_busy_s = 0.0
@@ -157,14 +173,24 @@ class Orchestrator:
                               top_p=1.0, seed=self.cfg.seed * 1_000_003 + gid)
 
     def _submit(self, group: Group, samples: list[int]) -> None:
-        reqs = []
         for s in samples:
             self.requests[self.next_rid] = (group.gid, s)
             # a multi-turn sample goes on from its transcript so far (also when a later turn is rescheduled)
             prompt = group.prompt_ids + group.transcripts[s].ids if s in group.transcripts else group.prompt_ids
-            reqs.append(Request(self.next_rid, prompt, self._params(group.gid * 1000 + s),
-                                self.engine.policy_version))
+            self.outbox.append(Request(self.next_rid, prompt, self._params(group.gid * 1000 + s),
+                                       self.engine.policy_version))
             self.next_rid += 1
+        if self.cfg.max_async_level > 0:  # at once: the engine may start on it while the rest is handled
+            self._flush()
+
+    def _flush(self) -> None:
+        """Send the requests made so far in one submit call. Level 0: only once every request sent before has
+        come back, so that what the engine has pending is exactly this call's requests."""
+        if not self.outbox:
+            return
+        if self.cfg.max_async_level == 0 and len(self.requests) > len(self.outbox):
+            return  # the engine still works on requests sent before: held until they are back
+        reqs, self.outbox = self.outbox, []
         self.engine.submit(reqs)
 
     def _submit_new_group(self) -> None:
@@ -183,8 +209,9 @@ class Orchestrator:
         """
         # groups in flight come back filtered at about the recent rate: submit until the expected number of
         # usable groups (ready ones count in full) covers the want, so the engine is not left idle waiting for
-        # replacements, and no more, since a surplus grows stale in the ready queue
-        keep = 1.0 - min(self.filter_rate, 0.75)
+        # replacements, and no more, since a surplus grows stale in the ready queue. Level 0 submits exactly
+        # what is missing: a surplus would make the batch depend on which groups finish first.
+        keep = 1.0 - min(self.filter_rate, 0.75) if self.cfg.max_async_level > 0 else 1.0
         want = need + self.cfg.batch_size * self.cfg.max_async_level
         while len(self.ready) + keep * len(self.inflight) < want:
             self._submit_new_group()
@@ -192,6 +219,9 @@ class Orchestrator:
     def _handle(self, event: Event) -> None:
         t0 = time.perf_counter()
         self._on_event(event)  # scoring and tool turns: in the background loop, time spent beside the trainer
+        # replacements for the groups this event filtered go out with its tool turns, in one submit (level 0)
+        self._top_up(self._need)
+        self._flush()
         self.loop_busy_s += time.perf_counter() - t0
 
     def _on_event(self, event: Event) -> None:
@@ -204,12 +234,16 @@ class Orchestrator:
                 if env.multi_turn:
                     t = group.transcripts.setdefault(s, Transcript())
                     t.add_model(completion)
-                    reply = next_reply(env, self.tokenizer, t, group.row)
+                    room = None if self.context is None else \
+                        self.context - len(group.prompt_ids) - self.cfg.max_new_tokens
+                    reply = next_reply(env, self.tokenizer, t, group.row, room)
                     if reply is not None:  # a tool call: the environment answers and the sample goes on
                         t.add_env(reply)
                         self.counters["tool_calls"] += 1
                         self._submit(group, [s])
                         continue
+                    if t.out_of_context:  # the next turn would not fit: truncated, scored as it stands
+                        self.counters["samples_out_of_context"] += 1
                     completion = t.completion()
                 group.completions[s] = completion
                 if len(group.completions) == self.cfg.rollouts_per_example:
@@ -286,6 +320,7 @@ class Orchestrator:
                     if self._stop:
                         return
                     self._top_up(self._need)
+                    self._flush()
                 event = self.engine.poll(timeout=0.05)
                 if event is not None:
                     with self._cv:
@@ -300,6 +335,7 @@ class Orchestrator:
         """Block until a scored group is ready (background loop) or poll the engine once (foreground)."""
         if self._thread is None:
             self._top_up(self._need)
+            self._flush()
             event = self.engine.poll(timeout=600)
             if event is None:
                 raise RuntimeError("rl: the engine produced nothing for 600 s")
@@ -335,6 +371,8 @@ class Orchestrator:
             self._need = 0
             if self._thread is None:  # (the background loop tops up by itself)
                 self._top_up(0)  # the next batches' groups generate while the trainer works on this one
+                self._flush()
+            batch.sort(key=lambda g: g.gid)  # the trainer's sample order does not depend on finishing order
             stats = self._batch_stats(batch, step, t0)
         return self._samples(batch), stats
 
@@ -353,7 +391,7 @@ class Orchestrator:
     def _batch_stats(self, batch: list[Group], step: int, t0: float) -> dict:
         """Stats of this batch and of everything scored since the previous one (filtered groups included)."""
         delta = self.counters - self._counters_at_last_batch
-        all_groups = batch + self._last_filtered
+        all_groups = batch + sorted(self._last_filtered, key=lambda g: g.gid)
         all_rewards = [r for g in all_groups for r, m in zip(g.rewards, g.masked) if not m] or [0.0]
         versions = Counter(step - c.policy_version for g in batch for c in g.completions.values())
         stats = {
@@ -370,6 +408,7 @@ class Orchestrator:
             "reward_errors": delta["reward_errors"],
             "masked_samples": delta["samples_masked"],
             "tool_calls": delta["tool_calls"],
+            "out_of_context_samples": delta["samples_out_of_context"],
             "staleness": dict(sorted(versions.items())),
             "reward_by_env": {e: sum(g.rewards[i] for g in all_groups if g.row["env"] == e
                                      for i in range(len(g.rewards))) /

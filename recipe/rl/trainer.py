@@ -132,15 +132,20 @@ def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, schedulers, or
     tmp = ckpt_root / f".tmp_step_{step:06d}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, tmp / "model.safetensors")
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save([sch.state_dict() for sch in schedulers], tmp / "scheduler.pt")
-    torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
-    (tmp / "orchestrator.json").write_text(json.dumps(orchestrator_state))
-    (tmp / "meta.json").write_text(json.dumps({"step": step}))
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()},
+                  tmp / "model.safetensors")
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save([sch.state_dict() for sch in schedulers], tmp / "scheduler.pt")
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
+        (tmp / "orchestrator.json").write_text(json.dumps(orchestrator_state))
+        (tmp / "meta.json").write_text(json.dumps({"step": step}))
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    except BaseException:  # a full disk: the checkpoints before stay; the half-written one gives its space back
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     for old in sorted(ckpt_root.glob("step_*"))[:-keep]:
@@ -200,7 +205,11 @@ def publish_weights(model, weights_dir: Path, version: int, keep: int = 3) -> Pa
     weights_dir.mkdir(parents=True, exist_ok=True)
     path = weights_dir / f"policy_{version:06d}.safetensors"
     tmp = weights_dir / f".policy_{version:06d}.tmp"
-    save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, tmp)
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, tmp)
+    except BaseException:  # a full disk: the versions published before stay
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     for old in sorted(weights_dir.glob("policy_*.safetensors"))[:-keep]:
         old.unlink(missing_ok=True)

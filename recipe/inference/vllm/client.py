@@ -19,6 +19,9 @@ What the requests rely on in vLLM 0.32 (read in vllm-project/vllm):
 - POST /reset_prefix_cache?reset_running_requests=true (vllm/entrypoints/serve/cache/api_router.py). Without the
   flag the scheduler's reset does nothing while any request holds KV blocks (SchedulerInterface docstring), which
   in asynchronous RL is always; with it, running requests are preempted and recomputed on the new weights.
+- GET /v1/models lists the served model with its `max_model_len` (OpenAIServingModels.show_available_models): the
+  longest prompt plus max_tokens the server takes (it answers HTTP 400 to a longer request). `context` reads it,
+  so that callers leave out what cannot fit instead of failing on it.
 
 The admin calls (the weight reload, the prefix-cache reset) are retried with backoff when the server is
 unreachable or answers 5xx (server.retry: RETRY_TRIES calls, RETRY_BASE_DELAY_S doubling); reloading the same
@@ -38,8 +41,8 @@ from pathlib import Path
 
 from recipe.chat import stop_token_ids
 from recipe.inference.engine import Cancelled, Done, Event, Request
-from recipe.inference.vllm.server import (SERVED_MODEL_NAME, ServerProcess, TimedOut, Unavailable, read_stop_ids,
-                                          request, retry, server_command, wait_healthy)
+from recipe.inference.vllm.server import (SERVED_MODEL_NAME, ServerProcess, TimedOut, Unavailable, read_context,
+                                          read_stop_ids, request, retry, server_command, wait_healthy)
 from recipe.inference.vllm.worker_ext import RELOAD_METHOD
 from recipe.rollout import Completion, SamplingParams
 
@@ -105,6 +108,7 @@ class VLLMEngine:
         self.max_off_policy_steps = int(rl.max_off_policy_steps)
         self.policy_version = int(version)
         self._tokenizer = None
+        self._context: int | None = None
         self.stop_ids = list(self._default_stop_ids() if stop_ids is None else stop_ids)
         self.request_timeout = request_timeout
         self.rpc_timeout = rpc_timeout
@@ -178,6 +182,25 @@ class VLLMEngine:
         prompts (k samples of a problem) get different samples."""
         futures = [self._pool.submit(self._complete, p, params, params.seed + i) for i, p in enumerate(prompts)]
         return [f.result() for f in futures]
+
+    @property
+    def context(self) -> int | None:
+        """The longest prompt plus completion the servers take: the least `max_model_len` of their GET /v1/models
+        (it follows a --max-model-len in rl.vllm_extra_args), else max_position_embeddings of the model folder's
+        config.json; None when neither says. Read once."""
+        if self._context is None:
+            lens = []
+            for url in self.base_urls:
+                try:
+                    listed = request(url, "/v1/models", method="GET", timeout=self.rpc_timeout)
+                except RuntimeError:  # not answered as vLLM does: the folder's config says
+                    continue
+                models = listed.get("data") if isinstance(listed, dict) else None
+                lens += [int(m["max_model_len"]) for m in models or []
+                         if isinstance(m, dict) and m.get("id") == SERVED_MODEL_NAME
+                         and isinstance(m.get("max_model_len"), int)]
+            self._context = min(lens) if lens else read_context(self.model_path)
+        return self._context
 
     def _default_stop_ids(self) -> list[int]:
         """HFEngine's stop tokens (recipe.chat.stop_token_ids of the folder's tokenizer); without a tokenizer

@@ -110,6 +110,16 @@ def read_stop_ids(model_path) -> list[int]:
     return []
 
 
+def read_context(model_path) -> int | None:
+    """max_position_embeddings of the model folder's config.json, or None (no such file or key)."""
+    path = Path(model_path) / "config.json"
+    try:
+        value = json.loads(path.read_text()).get("max_position_embeddings") if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return int(value) if isinstance(value, int) else None
+
+
 # -- the process ------------------------------------------------------------------------------------------
 class ServerProcess:
     """A vLLM server started as a child in a process group of its own, its output appended to log_path."""
