@@ -23,6 +23,7 @@ import torch
 
 from recipe.inference.engine import Cancelled, Done, Event, Request
 from recipe.inference.hf import HFEngine
+from recipe.runs import release_free_memory
 
 
 def _die_with_parent() -> None:
@@ -63,6 +64,7 @@ def _worker(model_path, threads, batch_size, max_off_policy_steps, version, cpu,
                 pending.extend(msg[1])
             elif msg[0] == "update":
                 engine.update_weights(msg[1], msg[2])
+                release_free_memory()  # the weights file just read: RSS stays flat over a long run
                 res_q.put(("updated", msg[2]))
             try:
                 msg = req_q.get_nowait()

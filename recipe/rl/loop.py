@@ -22,7 +22,7 @@ from recipe.model import load_pretrained
 from recipe.rl.orchestrator import Orchestrator
 from recipe.rl.trainer import (build_optimizer, build_scheduler, latest_checkpoint, load_checkpoint,
                                publish_weights, save_checkpoint, train_step)
-from recipe.runs import STOP, MetricsLog, require_done
+from recipe.runs import STOP, MetricsLog, release_free_memory, require_done
 from recipe.sandbox.runner import run_on_cores
 
 
@@ -102,6 +102,7 @@ def _rl_loop(cfg, stage_dir, start_model):
                 t2 = time.perf_counter()
                 step += 1
                 engine.update_weights(publish_weights(accelerator.unwrap_model(model), weights_dir, step), step)
+                release_free_memory()  # the step's activations: RSS stays flat over a long run (make soak)
                 lens = [len(s.completion_ids) for s in samples]
                 record = {"step": step, **gen_stats, **train_stats,
                           "completion_len_mean": sum(lens) / len(lens), "completion_len_max": max(lens),

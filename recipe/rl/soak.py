@@ -32,13 +32,19 @@ FLAT_MB = 16.0
 MB = 1 << 20
 
 
-def _role(proc: psutil.Process, me: int) -> str:
+def _role(proc: psutil.Process, me: int, my_cmdline: list[str]) -> str:
     if proc.pid == me:
         return "trainer"
     try:
-        cmd = " ".join(proc.cmdline())
+        cmdline = proc.cmdline()
     except psutil.Error:
         return "other"
+    # a child that is still the stage's own command line is a fork that has not yet exec'd its program (the
+    # sandbox's launcher): its pages are the trainer's, shared copy-on-write, and counting them would count the
+    # trainer twice
+    if cmdline == my_cmdline:
+        return "fork"
+    cmd = " ".join(cmdline)
     # the hf engine is a spawned multiprocessing child; multiprocessing's resource tracker is a helper;
     # everything else the stage starts is a sandbox run (code rewards, the python tool)
     if "spawn_main" in cmd:
@@ -61,6 +67,7 @@ class RSSSampler:
     def sample(self) -> dict:
         me = os.getpid()
         root = psutil.Process(me)
+        mine = root.cmdline()
         rss: dict[str, float] = {}
         procs: dict[str, int] = {}
         for p in [root, *root.children(recursive=True)]:
@@ -68,9 +75,10 @@ class RSSSampler:
                 mb = p.memory_info().rss / MB
             except psutil.Error:  # a sandbox run that ended between listing and reading
                 continue
-            role = _role(p, me)
-            rss[role] = rss.get(role, 0.0) + mb
+            role = _role(p, me, mine)
             procs[role] = procs.get(role, 0) + 1
+            if role != "fork":
+                rss[role] = rss.get(role, 0.0) + mb
         return {"t": round(time.perf_counter() - self._t0, 2), "step": self.step_of(),
                 "rss_mb": {k: round(v, 2) for k, v in sorted(rss.items())}, "processes": procs}
 
