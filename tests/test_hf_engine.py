@@ -114,3 +114,28 @@ def test_top_p_keeps_the_smallest_set_reaching_the_mass():
     assert kept == [True, True, False, False]
     assert _top_p(logp, 0.45).isfinite()[0].tolist() == [True, False, False, False]
     assert _top_p(logp, 1.0).isfinite().all()
+
+
+def test_reloading_weights_every_step_keeps_no_objects_behind(engine, tmp_path):
+    """A long RL run reloads the weights once a step: nothing may pile up per reload (safetensors' safe_open
+    kept about two objects per tensor each time, which `make soak` saw as a creeping engine RSS)."""
+    import gc
+    import tracemalloc
+
+    from safetensors.torch import save_file
+
+    path = tmp_path / "policy.safetensors"
+    save_file({k: v.contiguous() for k, v in engine.model.state_dict().items()}, path)
+    engine.update_weights(path, 1)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        for v in range(30):
+            engine.update_weights(path, v)
+        gc.collect()
+        grown = sum(d.count_diff for d in tracemalloc.take_snapshot().compare_to(before, "filename"))
+    finally:
+        tracemalloc.stop()
+    tensors = len(engine.model.state_dict())
+    assert grown < tensors, f"{grown} objects left by 30 reloads of {tensors} tensors"
