@@ -22,7 +22,7 @@ import pytest
 
 from recipe.errors import SandboxError
 from recipe.sandbox import Limits, TestReport, backend, run_python, run_tests
-from recipe.sandbox import runner, seccomp
+from recipe.sandbox import cgroup, runner, seccomp
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = Limits(cpu_s=1, wall_s=2)
@@ -310,7 +310,8 @@ HOSTILE = [
             "        fds.append(os.open('/dev/null', os.O_RDONLY))\nexcept OSError as e:\n"
             "    print('open', len(fds), e.errno)",
             lambda res, c: every_line("open", " 24")(res, c) and number_after("open", res) < FAST.open_files),
-    Hostile("huge_output", "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n    sys.stderr.write('y' * 65536)",
+    Hostile("huge_output",
+            "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n    sys.stderr.write('y' * 65536)",
             lambda res, c: res.truncated and len(res.stdout) <= 4096 and len(res.stderr) <= 4096
             and res.status == "timeout", limits=Limits(cpu_s=1, wall_s=2, output_bytes=4096)),
     Hostile("deep_recursion", "import sys\nsys.setrecursionlimit(10**8)\ndef f(n):\n    return f(n + 1)\nf(0)",
@@ -357,7 +358,8 @@ HOSTILE = [
             "    print(name, libc.syscall(nr, 0, 0, 0, 0, 0), ctypes.get_errno())",
             every_line("", " -1 1", at_least=9)),
     Hostile("widen_cpu_affinity", "import os, subprocess\ntry:\n"
-            "    os.sched_setaffinity(0, set(range(os.cpu_count())))\nexcept OSError as e:\n    print('denied', e.errno)\n"
+            "    os.sched_setaffinity(0, set(range(os.cpu_count())))\n"
+            "except OSError as e:\n    print('denied', e.errno)\n"
             "subprocess.run(['taskset', '-a', '-p', '-c', '0-63', str(os.getpid())], capture_output=True)\n"
             "print('cores', sorted(os.sched_getaffinity(0)))",
             lambda res, c: every_line("denied", " 1")(res, c) and every_line("cores", " [0]")(res, c)),
@@ -402,18 +404,21 @@ print('swapping')""", status_is("ok"), marked=True),
     # ---- reading what it must not: the repository, runs/ (hidden tests), secrets, other users' files
     Hostile("read_the_repository", "import os\n"
             "for p in [@ROOT@ + '/pyproject.toml', @ROOT@ + '/recipe/sandbox/runner.py']:\n"
-            "    try:\n        print(open(p).read()[:300])\n    except OSError as e:\n        print('denied', e.errno)\n"
+            "    try:\n        print(open(p).read()[:300])\n"
+            "    except OSError as e:\n        print('denied', e.errno)\n"
             "try:\n    print(os.listdir(@ROOT@))\nexcept OSError as e:\n    print('denied', e.errno)",
             lambda res, c: every_line("denied", " 2", at_least=3)(res, c) and "[project]" not in res.stdout,
             on=NAMESPACED),
     Hostile("read_runs_hidden_tests", "import os\ntry:\n    print(open(@SECRET_FILE@).read())\nexcept OSError as e:\n"
             "    print('denied', e.errno)\nfor d, _, files in os.walk(@RUNS@):\n"
-            "    for f in files:\n        print(open(os.path.join(d, f)).read())", both(no_secret, every_line("denied", " 2")),
+            "    for f in files:\n        print(open(os.path.join(d, f)).read())",
+            both(no_secret, every_line("denied", " 2")),
             on=NAMESPACED),
     Hostile("read_host_tmp", "import os\nprint(os.listdir('/tmp'))\ntry:\n    print(open(@HOST_TMP_FILE@).read())\n"
             "except OSError as e:\n    print('denied', e.errno)", no_secret, on=NAMESPACED),
     Hostile("read_root_home", "import os\nfor p in ['/root', '/root/.ssh', '/home']:\n"
-            "    try:\n        print('listed', p, os.listdir(p))\n    except OSError as e:\n        print('denied', p)\n"
+            "    try:\n        print('listed', p, os.listdir(p))\n"
+            "    except OSError as e:\n        print('denied', p)\n"
             "try:\n    print('read', open('/etc/shadow').read()[:50])\nexcept OSError:\n    print('denied shadow')",
             lambda res, c: "listed /root" not in res.stdout and not any(ln.startswith("read ") for ln in out(res))),
     Hostile("environment_and_proc_secrets", "import os, subprocess\nprint(dict(os.environ))\n"
@@ -440,7 +445,8 @@ print('swapping')""", status_is("ok"), marked=True),
             lambda res, c: "connected" not in res.stdout),
     Hostile("net_by_syscall", SYSCALLS + "import struct, socket\nfd = libc.socket(2, 1, 0)\n"
             "print('socket', fd, ctypes.get_errno())\n"
-            "addr = struct.pack('!HH4s8x', 2, @PORT@, socket.inet_aton('127.0.0.1'))\naddr = addr[:2][::-1] + addr[2:]\n"
+            "addr = struct.pack('!HH4s8x', 2, @PORT@, socket.inet_aton('127.0.0.1'))\n"
+            "addr = addr[:2][::-1] + addr[2:]  # sin_family in host order\n"
             "print('connect', libc.connect(fd, addr, len(addr)), ctypes.get_errno())",
             lambda res, c: "connect 0" not in res.stdout and every_line("socket", " -1 1")(res, c)),
     Hostile("net_raw_packet_and_netlink", "import socket\n"
@@ -660,7 +666,7 @@ def test_program_cannot_fake_a_sandbox_failure(use, monkeypatch):
 def test_the_runs_memory_cgroup_holds_all_its_processes_together(use, monkeypatch):
     """8 processes of 80 MB each fit their own 128 MB address space; together they pass the run's cgroup."""
     use_backend(monkeypatch, use)
-    probe = runner.Cgroup.make(64 << 20)
+    probe = cgroup.Cgroup.make(64 << 20)
     if probe is None:
         pytest.skip("no memory cgroup can be made here")
     probe.remove()
@@ -675,6 +681,24 @@ def test_the_runs_memory_cgroup_holds_all_its_processes_together(use, monkeypatc
         assert number_after("alive", res) * 80 <= cap_mb, res
     else:
         assert res.status == "memory", res
+
+
+def test_cgroups_of_a_killed_process_are_removed_by_the_next():
+    version, base = cgroup._find_cgroup_base()
+    if not version:
+        pytest.skip("no memory cgroup can be made here")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan, ours = (Path(base, f"{cgroup.PREFIX}{pid}-x") for pid in (dead.pid, os.getpid()))
+    orphan.mkdir()
+    ours.mkdir()
+    try:
+        cgroup._remove_orphans(base)
+        assert not orphan.exists() and ours.exists()
+    finally:
+        for d in (orphan, ours):
+            if d.exists():
+                d.rmdir()
 
 
 def test_the_filter_is_well_formed():
@@ -692,7 +716,8 @@ def test_ordinary_programs_run_under_the_filter(use, monkeypatch):
     code = ("import os, sys, socket, subprocess, threading, multiprocessing\n"
             "total = []\nts = [threading.Thread(target=lambda i=i: total.append(i)) for i in range(4)]\n"
             "[t.start() for t in ts]; [t.join() for t in ts]\nprint('threads', sum(total))\n"
-            "pid = os.fork()\nif pid == 0:\n    os._exit(7)\nprint('fork', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+            "pid = os.fork()\nif pid == 0:\n    os._exit(7)\n"
+            "print('fork', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
             "print('child', subprocess.run([sys.executable, '-c', 'print(6 * 7)'], capture_output=True, "
             "text=True).stdout.strip())\n"
             "a, b = socket.socketpair(); a.sendall(b'hi'); print('unix', b.recv(2).decode())\n"

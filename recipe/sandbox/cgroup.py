@@ -11,11 +11,14 @@ from __future__ import annotations
 import atexit
 import os
 import signal
+import subprocess
 import threading
 import time
 import uuid
 from pathlib import Path
 
+JOIN = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"']  # + [cgroup.procs, command...]: it runs in the cgroup
+PREFIX = "recipe-sandbox-"  # + the pid of the process that made it + a random part
 _lock = threading.Lock()
 _cgroup_base: tuple | None = None  # (version, folder) once probed; (0, "") where none can be made
 _cgroups_left: list[str] = []  # folders whose last processes were still exiting; removed later
@@ -27,6 +30,17 @@ def _inside(mount: tuple[str, str], path: str) -> str | None:
     if root == "/":
         return at + path
     return at + path[len(root):] if path == root or path.startswith(root + "/") else None
+
+
+def _remove_orphans(folder: str) -> None:
+    """Empty cgroups of ours left by a process that was killed before it could remove them (named by its pid)."""
+    for entry in os.scandir(folder):
+        owner = entry.name[len(PREFIX):].split("-")[0]
+        if entry.name.startswith(PREFIX) and owner.isdigit() and not os.path.exists(f"/proc/{owner}"):
+            try:
+                os.rmdir(entry.path)  # fails, harmlessly, on one that still holds a process
+            except OSError:
+                pass
 
 
 def _find_cgroup_base() -> tuple[int, str]:
@@ -65,10 +79,13 @@ def _find_cgroup_base() -> tuple[int, str]:
             probe.mkdir()
             try:
                 (probe / ("memory.limit_in_bytes" if version == 1 else "memory.max")).write_text(str(64 << 20))
+                joined = subprocess.run(JOIN + [str(probe / "cgroup.procs"), "true"], timeout=10).returncode == 0
             finally:
                 probe.rmdir()
-            return version, folder
-        except OSError:
+            if joined:
+                _remove_orphans(folder)
+                return version, folder
+        except (OSError, subprocess.SubprocessError):
             continue
     return 0, ""
 
@@ -88,7 +105,7 @@ class Cgroup:
         _remove_left_cgroups()
         if not version:
             return None
-        path = os.path.join(base, f"recipe-sandbox-{uuid.uuid4().hex[:16]}")
+        path = os.path.join(base, f"{PREFIX}{os.getpid()}-{uuid.uuid4().hex[:12]}")
         try:
             os.mkdir(path)
         except OSError:
@@ -108,6 +125,11 @@ class Cgroup:
     def __init__(self, version: int, path: str):
         self.version, self.path = version, path
         self.procs = os.path.join(path, "cgroup.procs")
+
+    def join(self) -> list[str]:
+        """The start of a command that runs in this cgroup: a shell joins it (as root, before anything else runs)
+        and then becomes the command, so no process of the run ever starts outside it."""
+        return JOIN + [self.procs]
 
     def _write(self, name: str, text: str) -> None:
         with open(os.path.join(self.path, name), "w") as f:

@@ -22,10 +22,11 @@ On every backend:
 - A seccomp filter (seccomp.py: x86_64 and aarch64) denies ptrace, namespaces and mounts, memfd_create, SysV
   shared memory, sched_setaffinity (CPU affinity cannot be widened), io_uring, bpf, keyrings, kernel modules,
   the clock, and every socket but AF_UNIX.
-- Memory: RLIMIT_AS per process; shared memory cannot escape it (no memfd, no SysV shm, /dev/shm capped under
-  the namespaced backends). Where a memory cgroup can be made (cgroup v1 memory controller, or cgroup v2 with
-  memory delegated to our cgroup), the run's processes together are held to 2x memory_mb + 5x file_mb, shared
-  memory and tmpfs included, and the cgroup is how every process of the run is killed.
+- Memory: RLIMIT_AS per process. What it does not count is bounded too: memfd and SysV shared memory are
+  denied, and under the namespaced backends /tmp and /dev/shm are size-capped tmpfs (under "rlimit" the host's
+  /dev/shm is bounded only per file, by RLIMIT_FSIZE, and by the cgroup). Where a memory cgroup can be made
+  (cgroup.py), the run's processes together are held to 2x memory_mb + 5x file_mb, shared memory and tmpfs
+  included; an OOM kill there is a "memory" verdict, and the cgroup is one more way every process is killed.
 - Deadlines are fixed when they start: the run's at start (wall_s); in a functional run each case's when the
   harness begins it (step_s), and never past `until`, which the caller fixes for the whole group of cases.
   Messages on the control channel (the program can write there too) never move a deadline later.
@@ -416,9 +417,7 @@ def execute(payload: dict, stdin: str, limits: Limits, mode: str, use: str | Non
         stdin_fd = _memfd("sandbox-stdin", stdin.encode()) if stdin else subprocess.DEVNULL
         if stdin:
             opened.append(stdin_fd)
-        # the cgroup is joined first, as root, by a shell that then becomes everything else: no process of the
-        # run ever starts outside it
-        cmd = (["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', cgroup.procs] if cgroup else [])
+        cmd = cgroup.join() if cgroup else []
         cmd += _cores_prefix() + (_prlimit(rl) if has_prlimit else [])
         if uid is not None:
             cmd += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
