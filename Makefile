@@ -22,14 +22,14 @@ all: data base sft rl eval
 
 # A fresh machine gets a virtual environment with the exact, locked CPU environment; the stamp re-runs
 # the install whenever the pins change. Best effort, never failing: bubblewrap for the code sandbox
-# (recipe/sandbox; without it model-written code runs under weaker rlimit-only isolation).
+# (recipe/sandbox; without it the sandbox builds the same isolation with util-linux unshare).
 setup: $(STAMP)
 $(STAMP): pyproject.toml requirements.lock
 	@if command -v bwrap >/dev/null; then echo "sandbox: bubblewrap found"; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap \
 	  || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap; }; } >/dev/null 2>&1; \
 	then echo "sandbox: installed bubblewrap"; \
-	else echo "sandbox: bubblewrap not installed (apt-get install bubblewrap); code runs under rlimit-only isolation"; fi
+	else echo "sandbox: bubblewrap not installed (apt-get install bubblewrap); code runs in namespaces made with unshare"; fi
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade "pip==25.3"
 	$(PY) -m pip install --quiet -r requirements.lock

@@ -23,3 +23,7 @@ class DataError(StageError):
 
 class HubError(StageError):
     """A hub reference that cannot be resolved (unpinned, unknown, or the hub is out of reach)."""
+
+
+class SandboxError(StageError):
+    """No sandbox here can isolate model-written code (and the user did not accept running it unisolated)."""

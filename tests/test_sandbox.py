@@ -1,51 +1,150 @@
 """The sandbox against hostile programs: each must be contained, end with a verdict that scores it 0 (never a
 sandbox failure, which would mask it), leave no process or file behind on the host, and the next run must work.
-The core attacks run under both backends (bwrap when it works here, and the rlimit fallback)."""
+
+Every hostile program runs under both isolating backends, bwrap and unshare (its fallback), and, where the
+program's harm is one a private uid alone prevents, under the unisolated rlimit backend as root too. Each names
+the harm it tries and its check asserts that the harm did not happen."""
+import functools
 import json
 import os
-import resource
 import socket
+import subprocess
 import tempfile
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
+from recipe.errors import SandboxError
 from recipe.sandbox import Limits, TestReport, backend, run_python, run_tests
-from recipe.sandbox import runner
+from recipe.sandbox import cgroup, runner, seccomp
 
 ROOT = Path(__file__).resolve().parent.parent
 FAST = Limits(cpu_s=1, wall_s=2)
+ONE_S = Limits(cpu_s=1, wall_s=1)
 SECRET = "recipe-secret-" + uuid.uuid4().hex
+IS_ROOT = os.geteuid() == 0
+NAMESPACED = ("bwrap", "unshare")
+ALL = ("bwrap", "unshare", "rlimit")
+ARCH = seccomp.machine()
+COLUMN = seccomp.ARCH.get(ARCH, (0, 0))[0]
+TMP_MODES = {d: os.stat(d).st_mode for d in {"/tmp", tempfile.gettempdir()}}
 
 
-@pytest.fixture(params=["bwrap", "rlimit"])
+@functools.lru_cache(maxsize=None)
+def why_not(use: str) -> str | None:
+    return runner._probe(use)
+
+
+def use_backend(monkeypatch, use: str) -> None:
+    if use == "rlimit":
+        if not IS_ROOT:
+            pytest.skip("the unisolated rlimit backend keeps runs apart (private uids) only as root")
+    elif why_not(use) is not None:
+        pytest.skip(f"{use} does not work here: {why_not(use)}")
+    monkeypatch.setattr(runner, "_backend", use)
+
+
+@pytest.fixture(params=NAMESPACED)
 def each_backend(request, monkeypatch):
-    if request.param == "bwrap" and backend() != "bwrap":
-        pytest.skip("bubblewrap does not work here")
-    monkeypatch.setattr(runner, "_backend", request.param)
+    use_backend(monkeypatch, request.param)
     return request.param
 
 
-def needs_other_uid(backend_name: str) -> None:
-    if backend_name == "rlimit" and os.geteuid() != 0:
-        pytest.skip("the rlimit fallback without root runs code as the caller's own uid, so it cannot guard that "
-                    "uid's files, processes or environment (install bubblewrap)")
+# ------------------------------------------------------------------------------------ the host the programs see
+
+class Listener:
+    """A server on the host's loopback (TCP) or in its abstract unix namespace: no program may reach it."""
+
+    def __init__(self, family=socket.AF_INET, address=("127.0.0.1", 0)):
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.bind(address)
+        self.sock.listen()
+        self.sock.settimeout(0.2)
+        self.address, self.accepted, self.stop = self.sock.getsockname(), 0, False
+        self.thread = threading.Thread(target=self.loop, daemon=True)
+        self.thread.start()
+
+    def loop(self):
+        while not self.stop:
+            try:
+                conn, _ = self.sock.accept()
+                self.accepted += 1
+                conn.close()
+            except OSError:
+                pass
+
+    def close(self):
+        self.stop = True
+        self.thread.join()
+        self.sock.close()
+
+
+def _world_readable_runs() -> Path:
+    """A runs/ folder as a real checkout has one: world-readable, the hidden tests inside."""
+    runs = Path(tempfile.mkdtemp(prefix="fake-runs-"))
+    tests = runs / "tiny" / "data" / "code"
+    tests.mkdir(parents=True)
+    (tests / "hidden_tests.json").write_text(json.dumps({"input": "", "output": SECRET}))
+    for d in [runs, *runs.rglob("*")]:
+        d.chmod(0o755 if d.is_dir() else 0o644)
+    return runs
+
+
+@pytest.fixture(scope="module")
+def host():
+    tcp, unix = Listener(), Listener(socket.AF_UNIX, f"\0recipe-test-{uuid.uuid4().hex}")
+    sleepers = [subprocess.Popen(["sleep", "600"])]
+    if IS_ROOT:
+        sleepers.append(subprocess.Popen(["sleep", "600"], user=runner.NOBODY, group=runner.NOBODY))
+    runs = _world_readable_runs()
+    fd, tmp_file = tempfile.mkstemp(prefix="recipe-host-secret-")
+    os.write(fd, SECRET.encode())
+    os.close(fd)
+    os.chmod(tmp_file, 0o644)
+    yield {"tcp": tcp, "unix": unix, "sleepers": sleepers, "runs": runs, "tmp_file": tmp_file}
+    for p in sleepers:
+        p.kill()
+        p.wait()
+    tcp.close()
+    unix.close()
+    subprocess.run(["rm", "-rf", str(runs), tmp_file])
+
+
+@dataclass
+class Ctx:
+    host: dict
+    outside: Path
+    mark: str = field(default_factory=lambda: "sbx-" + uuid.uuid4().hex[:12])
+
+    def fill(self, code: str) -> str:
+        """Put the test's facts into a program: @NAME@ becomes a Python literal."""
+        h = self.host
+        values = {"MARK": self.mark, "OUTSIDE": str(self.outside), "SENTINEL": str(self.outside / "sentinel"),
+                  "PORT": h["tcp"].address[1], "ABSTRACT": h["unix"].address, "HOSTPID": os.getpid(),
+                  "HELPERS": [p.pid for p in h["sleepers"]], "ROOT": str(ROOT), "RUNS": str(h["runs"]),
+                  "SECRET_FILE": str(next(h["runs"].rglob("hidden_tests.json"))), "HOST_TMP_FILE": h["tmp_file"],
+                  "CLONE_NR": seccomp.CLONE.get(ARCH, 56)}
+        values.update({f"NR_{name}": nrs[COLUMN] for name, nrs in seccomp.DENIED.items()})
+        for name, value in values.items():
+            code = code.replace(f"@{name}@", repr(value))
+        return code
 
 
 @pytest.fixture
-def outside(tmp_path):
-    """A folder of the host's, outside the sandbox, with a file the program must not change."""
-    d = tmp_path / "outside"
-    d.mkdir()
-    (d / "sentinel").write_text("untouched")
-    return d
-
-
-def marker() -> str:
-    return "sbx-" + uuid.uuid4().hex[:12]
+def ctx(host, tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "sentinel").write_text("untouched")
+    c = Ctx(host, outside)
+    c.accepted = (host["tcp"].accepted, host["unix"].accepted)
+    c.workdirs = set(Path(tempfile.gettempdir()).glob("recipe-sandbox-*"))
+    return c
 
 
 def marked(mark: str, body: str) -> str:
@@ -65,240 +164,471 @@ def processes_with(mark: str) -> list[int]:
     return found
 
 
-def assert_contained(res, mark: str | None = None, outside: Path | None = None):
-    """Not masked, nothing of the program left running, the host's file unchanged, and the sandbox still works."""
+def state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def assert_contained(res, c: Ctx):
+    """Not masked; nothing of the program left running; the host's files, folders, processes and servers as they
+    were; nothing left in the host's temporary folder; and the sandbox still works."""
     assert not res.sandbox_failed, res
     assert res.reason
-    if mark:
-        deadline = time.monotonic() + 2  # a killed pid namespace is torn down by the kernel a moment later
-        while processes_with(mark) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert processes_with(mark) == []
-    if outside:
-        assert sorted(p.name for p in outside.iterdir()) == ["sentinel"]
-        assert (outside / "sentinel").read_text() == "untouched"
+    deadline = time.monotonic() + 2  # a killed pid namespace is torn down by the kernel a moment later
+    while processes_with(c.mark) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert processes_with(c.mark) == []
+    assert sorted(p.name for p in c.outside.iterdir()) == ["sentinel"]
+    assert (c.outside / "sentinel").read_text() == "untouched"
+    for p in c.host["sleepers"]:
+        assert p.poll() is None and state(p.pid) in "SR", f"host process {p.pid} was disturbed"
+    os.kill(os.getpid(), 0)
+    assert (c.host["tcp"].accepted, c.host["unix"].accepted) == c.accepted, "a program reached a host server"
+    assert {d: os.stat(d).st_mode for d in TMP_MODES} == TMP_MODES
+    assert set(Path(tempfile.gettempdir()).glob("recipe-sandbox-*")) == c.workdirs
     again = run_python("print(int(input()) * 2)", "21", FAST)
     assert again.status == "ok" and again.stdout == "42\n", again
 
 
 # ------------------------------------------------------------------------------------------- hostile programs
 
-def test_infinite_loop():
-    mark = marker()
-    res = run_python(marked(mark, "while True: pass"), limits=FAST)
-    assert res.status == "timeout" and "cpu" in res.reason, res
-    assert_contained(res, mark)
+@dataclass
+class Hostile:
+    name: str
+    code: str
+    check: Callable
+    on: tuple = ALL           # backends that must hold against it
+    limits: Limits = FAST
+    marked: bool = False      # re-executed with the marker, so that /proc shows every process of it
+    count_peak: bool = False  # count its processes while it runs
 
 
-def test_sleep_past_wall_limit():
-    mark = marker()
-    res = run_python(marked(mark, "import time; time.sleep(60)"), limits=Limits(wall_s=1))
-    assert res.status == "timeout" and "wall" in res.reason, res
-    assert res.wall_s < 2.5
-    assert_contained(res, mark)
+def out(res) -> list[str]:
+    return res.stdout.splitlines()
 
 
-def test_fork_bomb(each_backend):
-    mark = marker()
-    uid = runner._sandbox_uid() if runner._sandbox_uid() is not None else os.getuid()
-    base, peak, done = runner._tasks_of(uid), [0], threading.Event()
+# A check asserts what it can and returns True when the harm did not happen; checks combine with `and`.
 
-    def watch():
+def status_is(*statuses, reason=None, max_wall=None):
+    def check(res, c):
+        assert res.status in statuses, res
+        assert reason is None or reason in res.reason, res
+        assert max_wall is None or res.wall_s < max_wall, res
+        return True
+    return check
+
+
+def every_line(prefix: str, expect: str, at_least: int = 1):
+    """Lines starting with prefix all end with expect (e.g. ' -1 1': the call failed with EPERM)."""
+    def check(res, c):
+        lines = [ln for ln in out(res) if ln.startswith(prefix)]
+        assert len(lines) >= at_least and all(ln.endswith(expect) for ln in lines), res
+        return True
+    return check
+
+
+def no_secret(res, c):
+    assert SECRET not in res.stdout + res.stderr, res
+    return True
+
+
+def both(*checks):
+    return lambda res, c: all(chk(res, c) is True for chk in checks)
+
+
+def peak_within(limit: int):
+    def check(res, c):
+        assert res.status in ("timeout", "killed", "ok", "error"), res
+        assert c.peak <= limit, f"{c.peak} processes at once"
+        return True
+    return check
+
+
+def number_after(word: str, res) -> int:
+    return int(next(ln for ln in out(res) if ln.startswith(word)).split()[1])
+
+
+SYSCALLS = "import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+CONNECT_LOOPBACK = "s = socket.create_connection(('127.0.0.1', @PORT@), timeout=1)\ns.sendall(b'leak')\n"
+DAEMON = """
+import os, signal, sys, time
+if os.fork() == 0:
+    os.setsid()
+    if os.fork() == 0:
+        for s in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+            signal.signal(s, signal.SIG_IGN)
+        os.closerange(0, 256)
+        # no environment left to find it by, in a session and process group of its own
+        os.execve(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', @MARK@], {})
+    os._exit(0)
+os.wait()
+print('detached')
+"""
+
+HOSTILE = [
+    # ---- limits: CPU, wall, processes, memory (shared memory too), disk, descriptors, output
+    Hostile("cpu_burn", "while True: pass", status_is("timeout", reason="cpu"), marked=True),
+    Hostile("cpu_burn_in_threads", "import threading\ndef spin():\n    while True: pass\n"
+            "for _ in range(4): threading.Thread(target=spin).start()\nspin()",
+            status_is("timeout", max_wall=3.5), marked=True),
+    Hostile("sleep_past_wall", "import time; time.sleep(60)", status_is("timeout", reason="wall", max_wall=2.5),
+            limits=ONE_S, marked=True),
+    Hostile("stop_itself", "import os, signal; os.kill(os.getpid(), signal.SIGSTOP)",
+            status_is("timeout", max_wall=2.5), limits=ONE_S, marked=True),
+    Hostile("close_pipes_and_linger", "import os, time\nos.close(1); os.close(2)\ntime.sleep(60)",
+            status_is("timeout", max_wall=2.5), limits=ONE_S, marked=True),
+    Hostile("fork_bomb", "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass",
+            peak_within(16 + runner.SANDBOX_PROCS), limits=Limits(cpu_s=1, wall_s=2, max_procs=16), marked=True,
+            count_peak=True),
+    Hostile("thread_bomb", "import threading, time\nn = 0\ntry:\n    while True:\n"
+            "        threading.Thread(target=time.sleep, args=(30,), daemon=True).start(); n += 1\n"
+            "except RuntimeError:\n    print('threads', n)",
+            lambda res, c: status_is("ok")(res, c) and number_after("threads", res) <= 16 + runner.SANDBOX_PROCS,
+            limits=Limits(cpu_s=1, wall_s=2, max_procs=16), marked=True),
+    Hostile("memory_bomb", "blocks = []\nwhile True:\n    blocks.append(bytearray(32 << 20))", status_is("memory")),
+    Hostile("shared_mmap_bomb", "import mmap\nmaps = []\nwhile True:\n"
+            "    m = mmap.mmap(-1, 32 << 20, mmap.MAP_SHARED)\n    m[::4096] = b'x' * (8192)\n    maps.append(m)",
+            status_is("memory")),
+    Hostile("memfd_hog", "import os\nfd = os.memfd_create('hog')\nfor _ in range(1300):\n"
+            "    os.write(fd, b'x' * (1 << 20))\nprint('held')",
+            both(status_is("error", reason="PermissionError"), lambda res, c: "held" not in res.stdout)),
+    Hostile("memfd_by_syscall", SYSCALLS + "print('memfd', libc.syscall(@NR_memfd_create@, b'hog', 0), "
+            "ctypes.get_errno())", every_line("memfd", " -1 1")),
+    Hostile("sysv_shared_memory", SYSCALLS + "print('shmget', libc.shmget(0, 1 << 30, 0o1600), ctypes.get_errno())",
+            every_line("shmget", " -1 1")),
+    Hostile("dev_shm_hog", "total = 0\ntry:\n    for i in range(200):\n"
+            "        with open(f'/dev/shm/hog{i}', 'wb') as f:\n            f.write(b'x' * (1 << 20))\n"
+            "        total += 1\nexcept OSError as e:\n    print('stopped', e.errno)\nprint('MB', total)",
+            lambda res, c: number_after("MB", res) <= FAST.file_mb and "stopped 28" in res.stdout, on=NAMESPACED),
+    Hostile("tmp_many_files", "i = 0\nwhile True:\n    open(f'f{i}', 'wb').write(b'0' * (1 << 20)); i += 1",
+            status_is("error", reason="No space left"), limits=Limits(cpu_s=1, wall_s=2, file_mb=2),
+            on=NAMESPACED),
+    Hostile("one_big_file", "with open('big', 'wb') as f:\n    while True:\n        f.write(b'0' * (1 << 20))",
+            status_is("error", reason="File too large"), limits=Limits(cpu_s=1, wall_s=2, file_mb=2)),
+    Hostile("write_into_dev", "try:\n    open('/dev/hog', 'wb').write(b'x'); print('wrote')\n"
+            "except OSError as e:\n    print('denied', e.errno)", every_line("denied", " 30"), on=NAMESPACED),
+    Hostile("descriptor_exhaustion", "import os\nfds = []\ntry:\n    while True:\n"
+            "        fds.append(os.open('/dev/null', os.O_RDONLY))\nexcept OSError as e:\n"
+            "    print('open', len(fds), e.errno)",
+            lambda res, c: every_line("open", " 24")(res, c) and number_after("open", res) < FAST.open_files),
+    Hostile("huge_output",
+            "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n    sys.stderr.write('y' * 65536)",
+            lambda res, c: res.truncated and len(res.stdout) <= 4096 and len(res.stderr) <= 4096
+            and res.status == "timeout", limits=Limits(cpu_s=1, wall_s=2, output_bytes=4096)),
+    Hostile("deep_recursion", "import sys\nsys.setrecursionlimit(10**8)\ndef f(n):\n    return f(n + 1)\nf(0)",
+            status_is("killed", "memory", "error", "timeout")),
+
+    # ---- outliving the run, signals and tracing: the host's processes and the run's siblings
+    Hostile("daemon_setsid_double_fork_empty_env", DAEMON, status_is("ok", max_wall=2)),
+    Hostile("background_shells", "import subprocess\n"
+            "subprocess.Popen(['sh', '-c', 'sleep 30; : ' + @MARK@])\n"
+            "subprocess.Popen(['sh', '-c', 'sleep 30; : ' + @MARK@], start_new_session=True)\n"
+            "subprocess.Popen(['sh', '-c', 'trap \"\" HUP TERM; sleep 40; : ' + @MARK@], start_new_session=True)\n"
+            "print('spawned')", status_is("ok")),
+    Hostile("kill_minus_one", "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError as e:\n"
+            "    print(type(e).__name__)\nprint('still here')", status_is("ok")),
+    Hostile("kill_parent_and_host_pids", "import os, signal\n"
+            "for pid in [os.getppid(), 1, @HOSTPID@] + @HELPERS@:\n"
+            "    for sig in (signal.SIGSTOP, signal.SIGKILL):\n        try:\n            os.kill(pid, sig)\n"
+            "        except OSError as e:\n            print(pid, type(e).__name__)", status_is("ok", "killed")),
+    Hostile("ptrace_attach", SYSCALLS + "for pid in [os.getppid(), 1, @HOSTPID@] + @HELPERS@:\n"
+            "    print('ptrace', pid, libc.ptrace(16, pid, 0, 0), ctypes.get_errno())",
+            every_line("ptrace", " -1 1", at_least=3)),
+    Hostile("read_memory_of_others", SYSCALLS + "buf = ctypes.create_string_buffer(64)\n"
+            "iov = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 64)\n"
+            "for pid in [os.getppid(), 1, @HOSTPID@]:\n"
+            "    print('vm_readv', libc.process_vm_readv(pid, iov, 1, iov, 1, 0), ctypes.get_errno())\n"
+            "    try:\n        open(f'/proc/{pid}/mem', 'rb').read(1); print('mem', pid, 'read')\n"
+            "    except OSError as e:\n        print('mem', pid, 'denied')",
+            both(every_line("vm_readv", " -1 1", at_least=3), every_line("mem", "denied", at_least=3))),
+
+    # ---- escaping the sandbox: namespaces, mounts, the kernel's surface
+    Hostile("new_namespaces", SYSCALLS + "import subprocess\n"
+            "print('unshare', libc.unshare(0x10000000), ctypes.get_errno())\n"
+            "print('clone', libc.syscall(@CLONE_NR@, 0x10000000 | 17, 0, 0, 0, 0), ctypes.get_errno())\n"
+            "r = subprocess.run(['unshare', '-r', 'id'], capture_output=True)\nprint('tool', r.returncode)",
+            lambda res, c: every_line("unshare", " -1 1")(res, c) and every_line("clone", " -1 1")(res, c)
+            and "tool 0" not in res.stdout),
+    Hostile("mount_and_chroot", SYSCALLS + "print('mount', libc.mount(b'none', b'/tmp', b'tmpfs', 0, None), "
+            "ctypes.get_errno())\nprint('umount', libc.umount2(b'/proc', 2), ctypes.get_errno())\n"
+            "print('chroot', libc.chroot(b'/tmp'), ctypes.get_errno())", every_line("", " -1 1", at_least=3)),
+    Hostile("kernel_surface", SYSCALLS + "for name, nr in [('bpf', @NR_bpf@), ('perf', @NR_perf_event_open@), "
+            "('keyctl', @NR_keyctl@), ('userfaultfd', @NR_userfaultfd@), ('io_uring', @NR_io_uring_setup@), "
+            "('personality', @NR_personality@), ('init_module', @NR_init_module@), "
+            "('settime', @NR_clock_settime@), ('kexec', @NR_kexec_load@)]:\n"
+            "    print(name, libc.syscall(nr, 0, 0, 0, 0, 0), ctypes.get_errno())",
+            every_line("", " -1 1", at_least=9)),
+    Hostile("widen_cpu_affinity", "import os, subprocess\ntry:\n"
+            "    os.sched_setaffinity(0, set(range(os.cpu_count())))\n"
+            "except OSError as e:\n    print('denied', e.errno)\n"
+            "subprocess.run(['taskset', '-a', '-p', '-c', '0-63', str(os.getpid())], capture_output=True)\n"
+            "print('cores', sorted(os.sched_getaffinity(0)))",
+            lambda res, c: every_line("denied", " 1")(res, c) and every_line("cores", " [0]")(res, c)),
+
+    # ---- the host's files: clean-up that follows links, permissions, writing outside
+    Hostile("chmod_parents", "import os\nhome = os.getcwd()\n"
+            "for p in ['..', '/tmp', '/', '.']:\n    try:\n        os.chmod(p, 0)\n    except OSError:\n        pass\n"
+            "os.chmod(home, 0o700)\nos.makedirs(home + '/a/b')\nopen(home + '/a/b/f', 'w').write('x')\n"
+            "os.chmod(home + '/a/b', 0)\nos.chmod(home + '/a', 0)\nos.chmod(home, 0o500)\nprint('done')",
+            status_is("ok")),
+    Hostile("symlink_swap_during_cleanup", """
+import os, time
+os.makedirs('d/e')
+open('d/e/f', 'w').write('x')
+os.symlink(@OUTSIDE@, 'link_dir')
+os.symlink(@SENTINEL@, 'link_file')
+os.symlink('/', 'root_link')
+os.symlink('/tmp', 'e')
+if os.fork() == 0:
+    os.setsid()
+    # swaps d for a link to the host's folder and back, while the host cleans up
+    end = time.time() + 30
+    while time.time() < end:
+        try:
+            os.rename('d', 'd.real'); os.symlink(@OUTSIDE@, 'd')
+            os.unlink('d'); os.rename('d.real', 'd')
+        except OSError:
+            pass
+    os._exit(0)
+time.sleep(0.3)
+print('swapping')""", status_is("ok"), marked=True),
+    Hostile("hardlink_host_file", "import os\ntry:\n    os.link(@SENTINEL@, 'x'); print('linked')\n"
+            "except OSError as e:\n    print('denied', e.errno)", lambda res, c: "linked" not in res.stdout),
+    Hostile("write_outside_its_folder", "import os\n"
+            "for path in [@SENTINEL@, @OUTSIDE@ + '/new', @ROOT@ + '/escape.txt', '/usr/x', '/etc/x']:\n"
+            "    try:\n        open(path, 'w').write('pwned'); print('wrote', path)\n"
+            "    except OSError as e:\n        print('denied', path, type(e).__name__)\n"
+            "open('mine.txt', 'w').write('fine'); print('own folder ok')",
+            lambda res, c: status_is("ok")(res, c) and "wrote" not in res.stdout
+            and not (ROOT / "escape.txt").exists() and not Path("/usr/x").exists()),
+
+    # ---- reading what it must not: the repository, runs/ (hidden tests), secrets, other users' files
+    Hostile("read_the_repository", "import os\n"
+            "for p in [@ROOT@ + '/pyproject.toml', @ROOT@ + '/recipe/sandbox/runner.py']:\n"
+            "    try:\n        print(open(p).read()[:300])\n"
+            "    except OSError as e:\n        print('denied', e.errno)\n"
+            "try:\n    print(os.listdir(@ROOT@))\nexcept OSError as e:\n    print('denied', e.errno)",
+            lambda res, c: every_line("denied", " 2", at_least=3)(res, c) and "[project]" not in res.stdout,
+            on=NAMESPACED),
+    Hostile("read_runs_hidden_tests", "import os\ntry:\n    print(open(@SECRET_FILE@).read())\nexcept OSError as e:\n"
+            "    print('denied', e.errno)\nfor d, _, files in os.walk(@RUNS@):\n"
+            "    for f in files:\n        print(open(os.path.join(d, f)).read())",
+            both(no_secret, every_line("denied", " 2")),
+            on=NAMESPACED),
+    Hostile("read_host_tmp", "import os\nprint(os.listdir('/tmp'))\ntry:\n    print(open(@HOST_TMP_FILE@).read())\n"
+            "except OSError as e:\n    print('denied', e.errno)", no_secret, on=NAMESPACED),
+    Hostile("read_root_home", "import os\nfor p in ['/root', '/root/.ssh', '/home']:\n"
+            "    try:\n        print('listed', p, os.listdir(p))\n"
+            "    except OSError as e:\n        print('denied', p)\n"
+            "try:\n    print('read', open('/etc/shadow').read()[:50])\nexcept OSError:\n    print('denied shadow')",
+            lambda res, c: "listed /root" not in res.stdout and not any(ln.startswith("read ") for ln in out(res))),
+    Hostile("environment_and_proc_secrets", "import os, subprocess\nprint(dict(os.environ))\n"
+            "for pid in ['self', str(os.getppid()), '1', str(@HOSTPID@)] + os.listdir('/proc'):\n"
+            "    for f in ('environ', 'cmdline'):\n        try:\n"
+            "            print(pid, open(f'/proc/{pid}/{f}', 'rb').read())\n        except (OSError, ValueError):\n"
+            "            pass\nsubprocess.run(['sh', '-c', 'env; echo secret=$RECIPE_TEST_SECRET'])",
+            both(no_secret, lambda res, c: "PATH=" in res.stdout and not res.truncated),
+            limits=Limits(wall_s=4, output_bytes=1 << 20)),
+    Hostile("see_host_processes", "import os\npids = [p for p in os.listdir('/proc') if p.isdigit()]\n"
+            "print('count', len(pids))\nprint('host pid', str(@HOSTPID@) in pids)",
+            lambda res, c: number_after("count", res) < 10 and "host pid False" in res.stdout, on=NAMESPACED),
+
+    # ---- the network, four ways and more: the host's loopback, its abstract unix sockets, the outside
+    Hostile("net_socket_module", "import socket\n" + CONNECT_LOOPBACK + "print('connected')",
+            lambda res, c: res.status == "error" and "connected" not in res.stdout),
+    Hostile("net_raw_socket_module", "import _socket\ns = _socket.socket(_socket.AF_INET, _socket.SOCK_STREAM)\n"
+            "s.settimeout(1)\ns.connect(('127.0.0.1', @PORT@))\nprint('connected')",
+            lambda res, c: res.status == "error" and "connected" not in res.stdout),
+    Hostile("net_from_a_subprocess", "import subprocess, sys\n"
+            "code = 'import socket\\n' + " + repr(CONNECT_LOOPBACK) + " + 'print(\"connected\")'\n"
+            "subprocess.run([sys.executable, '-c', code])\n"
+            "subprocess.run(['bash', '-c', 'exec 3<>/dev/tcp/127.0.0.1/' + str(@PORT@) + ' && echo connected'])",
+            lambda res, c: "connected" not in res.stdout),
+    Hostile("net_by_syscall", SYSCALLS + "import struct, socket\nfd = libc.socket(2, 1, 0)\n"
+            "print('socket', fd, ctypes.get_errno())\n"
+            "addr = struct.pack('!HH4s8x', 2, @PORT@, socket.inet_aton('127.0.0.1'))\n"
+            "addr = addr[:2][::-1] + addr[2:]  # sin_family in host order\n"
+            "print('connect', libc.connect(fd, addr, len(addr)), ctypes.get_errno())",
+            lambda res, c: "connect 0" not in res.stdout and every_line("socket", " -1 1")(res, c)),
+    Hostile("net_raw_packet_and_netlink", "import socket\n"
+            "for fam, kind in [(socket.AF_PACKET, socket.SOCK_RAW), (socket.AF_NETLINK, socket.SOCK_RAW), "
+            "(socket.AF_INET6, socket.SOCK_DGRAM), (socket.AF_INET, socket.SOCK_RAW)]:\n"
+            "    try:\n        socket.socket(fam, kind); print('opened', fam)\n"
+            "    except OSError as e:\n        print('denied', e.errno)", every_line("denied", " 1", at_least=4)),
+    Hostile("net_external_and_dns", "import socket\nfor host in ('1.1.1.1', '8.8.8.8'):\n    try:\n"
+            "        socket.create_connection((host, 53), timeout=1); print('connected', host)\n"
+            "    except OSError as e:\n        print('blocked', type(e).__name__)\n"
+            "socket.getaddrinfo('example.com', 443)\nprint('resolved')",
+            lambda res, c: res.stdout.count("blocked") == 2 and res.status == "error" and "resolved" not in res.stdout,
+            limits=Limits(wall_s=4)),
+    Hostile("net_host_abstract_unix_socket", "import socket\ns = socket.socket(socket.AF_UNIX)\n"
+            "s.connect(@ABSTRACT@)\nprint('connected')",
+            lambda res, c: res.status == "error" and "connected" not in res.stdout, on=NAMESPACED),
+]
+
+
+@pytest.mark.parametrize("prog,use", [pytest.param(h, u, id=f"{h.name}-{u}") for h in HOSTILE for u in h.on])
+def test_hostile_program_is_contained(prog, use, ctx, monkeypatch):
+    use_backend(monkeypatch, use)
+    monkeypatch.setenv("RECIPE_TEST_SECRET", SECRET)  # the host's environment must not reach the program
+    if prog.name == "widen_cpu_affinity":
+        if (os.cpu_count() or 1) < 2:
+            pytest.skip("needs 2 cores")
+        runner.run_on_cores({0})
+    code = ctx.fill(prog.code)
+    if prog.marked:
+        code = marked(ctx.mark, code)
+    ctx.peak, done = 0, threading.Event()
+
+    def count():
         while not done.is_set():
-            peak[0] = max(peak[0], runner._tasks_of(uid))
+            ctx.peak = max(ctx.peak, len(processes_with(ctx.mark)))
             time.sleep(0.01)
 
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    body = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    watcher = threading.Thread(target=count)
+    if prog.count_peak:
+        watcher.start()
     try:
-        res = run_python(marked(mark, body), limits=Limits(cpu_s=1, wall_s=2, max_procs=16))
+        res = run_python(code, "", prog.limits)
     finally:
         done.set()
-        watcher.join()
-    assert res.status in ("timeout", "killed"), res
-    assert peak[0] - base <= 16 + 2, f"{peak[0] - base} tasks at once"
-    assert_contained(res, mark)
+        runner.run_on_cores(None)
+        if prog.count_peak:
+            watcher.join()
+    assert prog.check(res, ctx) is True, res
+    assert_contained(res, ctx)
 
 
-def test_memory_bomb():
-    res = run_python("blocks = []\nwhile True:\n    blocks.append(bytearray(32 << 20))", limits=FAST)
-    assert res.status == "memory", res
-    assert_contained(res)
+def test_there_are_at_least_40_hostile_programs():
+    assert len({h.name for h in HOSTILE}) == len(HOSTILE) >= 40
 
 
-class Listener:
-    """A server on the host's loopback: the program must never reach it."""
+# ------------------------------------------------------------------------ what grading and the tools env expose
 
-    def __init__(self):
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.sock.settimeout(0.2)
-        self.port, self.accepted, self.stop = self.sock.getsockname()[1], 0, False
-        self.thread = threading.Thread(target=self.loop)
-        self.thread.start()
+def test_hidden_tests_never_reach_the_program(each_backend, host):
+    """The program looks for the expected answers in runs/ and in its own memory: it gets no reward."""
+    path = str(next(host["runs"].rglob("hidden_tests.json")))
+    reader = f"import json\nprint(json.load(open({path!r}))['output'])"
+    report = run_tests(reader, [{"input": "", "output": SECRET}], FAST)
+    assert report.passed == 0 and report.sandbox_error is None, report
+    hunter = ("import gc\ndef f(x):\n"
+              "    for o in gc.get_objects():\n"
+              "        if isinstance(o, (list, dict)):\n"
+              "            for v in (o if isinstance(o, list) else o.values()):\n"
+              "                if isinstance(v, str) and v.startswith('want-'):\n"
+              "                    return v\n    return None\n")
+    want = "want-" + uuid.uuid4().hex
+    report = run_tests(hunter, [{"fn": "f", "args": [1], "expected": want}], FAST)
+    assert report.passed == 0 and report.sandbox_error is None, report
 
-    def loop(self):
-        while not self.stop:
+
+def test_python_tool_cannot_read_the_hidden_tests(each_backend, host):
+    from recipe.envs.tools import run_python_tool
+
+    path = str(next(host["runs"].rglob("hidden_tests.json")))
+    reply = run_python_tool(f"import os\nprint(open({path!r}).read())\nprint(os.listdir({str(ROOT)!r}))")
+    assert SECRET not in reply and "pyproject.toml" not in reply and reply.startswith("error"), reply
+
+
+# --------------------------------------------------------------------------------------- samples of one group
+
+HONEST = [  # (code, tests): each imports json and uses its folder while a hostile sibling runs
+    ("import json, time\ntime.sleep(0.3)\nn = int(input())\nprint(json.dumps({'v': n * 2}))",
+     [{"input": "21", "output": '{"v": 42}'}, {"input": "5", "output": '{"v": 10}'}]),
+    ("import json\ndef f(x):\n    import time; time.sleep(0.2)\n    return json.loads(json.dumps(x)) + 1\n",
+     [{"fn": "f", "args": [1], "expected": 2}, {"fn": "f", "args": [5], "expected": 6}]),
+    ("import json, time\nopen('data.txt', 'w').write('abc')\ntime.sleep(0.4)\nprint(open('data.txt').read())",
+     [{"input": "", "output": "abc"}]),
+]
+SIBLING_ATTACK = """
+import ctypes, glob, os, signal, time
+libc = ctypes.CDLL(None, use_errno=True)
+evil = "raise SystemExit('hijacked')\\n"
+end = time.time() + 1.5
+while time.time() < end:
+    try:
+        os.kill(-1, signal.SIGKILL)
+    except OSError:
+        pass
+    for pid in [p for p in os.listdir('/proc') if p.isdigit() and int(p) != os.getpid()]:
+        libc.ptrace(16, int(pid), 0, 0)
+        for sig in (signal.SIGSTOP, signal.SIGKILL):
             try:
-                conn, _ = self.sock.accept()
-                self.accepted += 1
-                conn.close()
+                os.kill(int(pid), sig)
             except OSError:
                 pass
+        for name, text in (('json.py', evil), ('data.txt', 'pwned')):
+            try:
+                open(f'/proc/{pid}/cwd/{name}', 'w').write(text)
+            except OSError:
+                pass
+    for d in ['.'] + glob.glob('/tmp/recipe-sandbox-*') + glob.glob('/tmp/recipe-sandbox-*/home'):
+        try:
+            open(os.path.join(d, 'json.py'), 'w').write(evil)
+        except OSError:
+            pass
+    time.sleep(0.01)
+print('done')
+"""
 
-    def close(self):
-        time.sleep(0.3)
-        self.stop = True
-        self.thread.join()
-        self.sock.close()
+
+@pytest.mark.parametrize("use", ALL)
+def test_samples_of_a_group_side_by_side_with_a_hostile_sibling(use, monkeypatch, ctx):
+    """As the RL verifier scores a group: several samples at once, one of them attacking the others."""
+    use_backend(monkeypatch, use)
+    jobs = [(code, tests) for code, tests in HONEST] + [(SIBLING_ATTACK, [{"input": "", "output": "done"}])]
+    for _ in range(2):
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            reports = list(pool.map(lambda job: run_tests(job[0], job[1], FAST), jobs))
+        for (code, tests), report in zip(jobs[:-1], reports):
+            assert report.results == ["pass"] * len(tests) and report.sandbox_error is None, (code, report)
+        assert reports[-1].sandbox_error is None, reports[-1]
+    assert_contained(run_python("print(1)", "", FAST), ctx)
 
 
-def test_network_to_host_loopback(each_backend):
-    server = Listener()
+# ------------------------------------------------------------------------------------- the harness's channel
+
+DEADLINE_SPAM = """
+import json, os, signal, stat, time
+channels = []
+for fd in range(3, 64):
     try:
-        code = (f"import socket\ns = socket.create_connection(('127.0.0.1', {server.port}), timeout=1)\n"
-                "s.sendall(b'leak')\nprint('connected')")
-        res = run_python(code, limits=FAST)
-    finally:
-        server.close()
-    assert res.status == "error" and "connected" not in res.stdout, res
-    assert server.accepted == 0
-    assert_contained(res)
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            channels.append(fd)
+    except OSError:
+        pass
+def f(x):
+    # no timer can stop it, and it says every line the harness may say, over and over
+    for s in (signal.SIGALRM, signal.SIGPROF):
+        signal.signal(s, signal.SIG_IGN)
+    lines = b''.join(json.dumps(m).encode() + b'\\n' for m in
+                     [{'started': True}] + [{'begin': i} for i in range(3)] + [{'junk': 1}])
+    while True:
+        for fd in channels:
+            try:
+                os.write(fd, lines)
+            except OSError:
+                pass
+        time.sleep(0.02)
+"""
 
 
-def test_network_to_external_address(each_backend):
-    code = ("import socket\n"
-            "for host in ('1.1.1.1', '8.8.8.8'):\n"
-            "    try:\n"
-            "        socket.create_connection((host, 53), timeout=1); print('connected', host)\n"
-            "    except OSError as e:\n"
-            "        print('blocked', type(e).__name__)\n"
-            "socket.getaddrinfo('example.com', 443)\nprint('resolved')")
-    res = run_python(code, limits=Limits(wall_s=4))
-    assert res.stdout.count("blocked") == 2 and "connected" not in res.stdout, res
-    assert res.status == "error" and "resolved" not in res.stdout, res
-    assert_contained(res)
+@pytest.mark.parametrize("use", ALL)
+def test_control_channel_spam_cannot_push_a_deadline(use, monkeypatch):
+    """3 cases at a 0.5 s limit: the group's time is fixed at its start (0.5 + 4 x 1.0 s), not 9 s or more."""
+    use_backend(monkeypatch, use)
+    limits = Limits(cpu_s=5, wall_s=0.5)
+    t0 = time.monotonic()
+    report = run_tests(DEADLINE_SPAM, [{"fn": "f", "args": [i], "expected": i} for i in range(3)], limits)
+    took = time.monotonic() - t0
+    assert report.passed == 0 and report.sandbox_error is None, report
+    assert all(r == "timeout" for r in report.results), report
+    assert took < 0.5 + 4 * 1.0 + 1.0, f"{took:.1f} s"
 
 
-def test_write_outside_its_folder(each_backend, outside):
-    needs_other_uid(each_backend)
-    escape = ROOT / f"escape-{uuid.uuid4().hex[:8]}.txt"
-    code = ("import os\n"
-            f"for path in [{str(outside / 'sentinel')!r}, {str(outside / 'new')!r}, {str(escape)!r}, '/usr/x']:\n"
-            "    try:\n"
-            "        open(path, 'w').write('pwned'); print('wrote', path)\n"
-            "    except OSError as e:\n"
-            "        print('denied', path, type(e).__name__)\n"
-            "open('mine.txt', 'w').write('fine'); print('own folder ok')")
-    res = run_python(code, limits=FAST)
-    assert res.status == "ok" and "own folder ok" in res.stdout, res
-    assert not escape.exists() and not Path("/usr/x").exists()
-    assert_contained(res, outside=outside)
-
-
-def test_parent_environment_secrets(each_backend, monkeypatch):
-    needs_other_uid(each_backend)
-    monkeypatch.setenv("RECIPE_TEST_SECRET", SECRET)
-    code = ("import os, subprocess\n"
-            "print(dict(os.environ))\n"
-            "for pid in ['self', str(os.getppid()), '1'] + os.listdir('/proc'):\n"
-            "    try:\n"
-            "        print(pid, open(f'/proc/{pid}/environ', 'rb').read())\n"
-            "    except (OSError, ValueError):\n"
-            "        pass\n"
-            "subprocess.run(['sh', '-c', 'env; echo secret=$RECIPE_TEST_SECRET'])")
-    res = run_python(code, limits=Limits(wall_s=4, output_bytes=1 << 20))
-    assert res.status == "ok" and "PATH=" in res.stdout, res
-    assert SECRET not in res.stdout + res.stderr and not res.truncated
-    assert_contained(res)
-
-
-def test_huge_output_is_cut():
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    code = "import sys\nwhile True:\n    sys.stdout.write('x' * 65536)\n    sys.stderr.write('y' * 65536)"
-    res = run_python(code, limits=Limits(cpu_s=1, wall_s=2, output_bytes=4096))
-    assert res.truncated and len(res.stdout) <= 4096 and len(res.stderr) <= 4096, res.reason
-    assert res.status == "timeout", res.reason
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50_000  # KiB: nothing was buffered
-    assert_contained(res)
-
-
-def test_spawned_shell_is_contained(each_backend, outside, monkeypatch):
-    needs_other_uid(each_backend)
-    monkeypatch.setenv("RECIPE_TEST_SECRET", SECRET)
-    mark = marker()
-    code = ("import os, subprocess\n"
-            f"os.system(\"sh -c 'echo pwned > {outside}/pwned; echo pwned > {outside}/sentinel; env'\")\n"
-            # background children, one in a session of its own: all must die with the run
-            f"subprocess.Popen(['sh', '-c', 'sleep 30; : {mark}'])\n"
-            f"subprocess.Popen(['sh', '-c', 'sleep 30; : {mark}'], start_new_session=True)\n"
-            "print('spawned')")
-    res = run_python(code, limits=FAST)
-    assert "spawned" in res.stdout and SECRET not in res.stdout + res.stderr, res
-    assert_contained(res, mark, outside)
-
-
-def test_killing_its_parent(each_backend):
-    needs_other_uid(each_backend)
-    mark = marker()
-    # kill(-1): every process the uid may signal. Inside bwrap that is its own namespace; under the fallback it
-    # would be every uid-nobody process on the host, so that one is left out there.
-    targets = "[os.getppid(), -1]" if each_backend == "bwrap" else "[os.getppid()]"
-    body = ("import os, signal\n"
-            f"for target in {targets}:\n"
-            "    try:\n"
-            "        os.kill(target, signal.SIGKILL)\n"
-            "    except OSError as e:\n"
-            "        print(type(e).__name__)\n"
-            "print('still here')")
-    res = run_python(marked(mark, body), limits=FAST)
-    os.kill(os.getpid(), 0)
-    os.kill(os.getppid(), 0)  # the test run and its parent survived
-    assert res.status in ("ok", "error", "killed"), res
-    assert_contained(res, mark)
-
-
-def test_filling_the_disk():
-    before = set(Path(tempfile.gettempdir()).glob("recipe-sandbox-*"))
-    code = "with open('big', 'wb') as f:\n    while True:\n        f.write(b'0' * (1 << 20))"
-    res = run_python(code, limits=Limits(cpu_s=1, wall_s=2, file_mb=2))
-    assert res.status == "error" and "File too large" in res.reason, res
-    assert set(Path(tempfile.gettempdir()).glob("recipe-sandbox-*")) == before  # its folder is gone
-    assert_contained(res)
-
-
-def test_filling_the_disk_with_many_files():
-    if backend() != "bwrap":
-        pytest.skip("only bwrap bounds the total: the rlimit fallback bounds each file")
-    code = "i = 0\nwhile True:\n    open(f'f{i}', 'wb').write(b'0' * (1 << 20)); i += 1"
-    res = run_python(code, limits=Limits(cpu_s=1, wall_s=2, file_mb=2))
-    assert res.status == "error" and "No space left" in res.reason, res
-    assert_contained(res)
-
-
-def test_deep_recursion():
-    res = run_python("def f(n):\n    return f(n + 1)\nf(0)", limits=FAST)
-    assert res.status == "error" and "RecursionError" in res.reason, res
-    # without the interpreter's guard: frames pile up until a limit (stack, memory or CPU) ends the process
-    res = run_python("import sys\nsys.setrecursionlimit(10**8)\ndef f(n):\n    return f(n + 1)\nf(0)", limits=FAST)
-    assert res.status in ("killed", "memory", "error", "timeout"), res
-    assert_contained(res)
-
-
-def test_program_cannot_fake_a_sandbox_failure():
-    fakes = ["import sys\nsys.stderr.write('bwrap: Creating new namespace failed\\n'); sys.exit(1)",
-             "import os\nos.closerange(0, 1024)\nos._exit(1)",
-             "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
-             "import os\nos.write(3, b'{\"started\": false}\\n'); os._exit(1)"]
-    for code in fakes:
-        res = run_python(code, limits=FAST)
-        assert res.status in ("error", "killed") and not res.sandbox_failed, res
-    report = run_tests(fakes[0], [{"input": "", "output": "x"}, {"fn": "f", "args": [], "expected": 1}], FAST)
-    assert report.sandbox_error is None and report.passed == 0
-
-
-def test_functional_side_channel_abuse():
+@pytest.mark.parametrize("use", NAMESPACED)
+def test_functional_side_channel_abuse(use, monkeypatch):
     # the program finds the harness's pipe and floods it with junk, deep nesting and forged results
+    use_backend(monkeypatch, use)
     code = ("import os, stat\n"
             "for fd in range(3, 256):\n"
             "    try:\n"
@@ -314,6 +644,139 @@ def test_functional_side_channel_abuse():
     report = run_tests(code, [{"fn": "f", "args": [1], "expected": 2}, {"fn": "f", "args": [5], "expected": 6}], FAST)
     assert report.results == ["pass", "pass"] and report.sandbox_error is None, report
     assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("use", NAMESPACED)
+def test_program_cannot_fake_a_sandbox_failure(use, monkeypatch):
+    use_backend(monkeypatch, use)
+    fakes = ["import sys\nsys.stderr.write('bwrap: Creating new namespace failed\\n'); sys.exit(1)",
+             "import os\nos.closerange(0, 1024)\nos._exit(1)",
+             "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
+             "import os\nos.write(3, b'{\"started\": false}\\n'); os._exit(1)"]
+    for code in fakes:
+        res = run_python(code, limits=FAST)
+        assert res.status in ("error", "killed") and not res.sandbox_failed, res
+    report = run_tests(fakes[0], [{"input": "", "output": "x"}, {"fn": "f", "args": [], "expected": 1}], FAST)
+    assert report.sandbox_error is None and report.passed == 0
+
+
+# ----------------------------------------------------------------------------- memory, the filter, backends
+
+@pytest.mark.parametrize("use", ALL)
+def test_the_runs_memory_cgroup_holds_all_its_processes_together(use, monkeypatch):
+    """8 processes of 80 MB each fit their own 128 MB address space; together they pass the run's cgroup."""
+    use_backend(monkeypatch, use)
+    probe = cgroup.Cgroup.make(64 << 20)
+    if probe is None:
+        pytest.skip("no memory cgroup can be made here")
+    probe.remove()
+    limits = Limits(cpu_s=5, wall_s=8, memory_mb=128, file_mb=2)
+    cap_mb = 2 * limits.memory_mb + 5 * limits.file_mb
+    code = ("import os, time\nkids = []\nfor _ in range(8):\n    pid = os.fork()\n    if pid == 0:\n"
+            "        block = b'x' * (80 << 20)\n        time.sleep(30)\n        os._exit(0)\n    kids.append(pid)\n"
+            "    time.sleep(0.3)\nalive = 0\nfor pid in kids:\n"
+            "    alive += os.waitpid(pid, os.WNOHANG) == (0, 0)\nprint('alive', alive)")
+    res = run_python(code, "", limits)
+    if "alive" in res.stdout:
+        assert number_after("alive", res) * 80 <= cap_mb, res
+    else:
+        assert res.status == "memory", res
+
+
+def test_cgroups_of_a_killed_process_are_removed_by_the_next():
+    version, base = cgroup._find_cgroup_base()
+    if not version:
+        pytest.skip("no memory cgroup can be made here")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    orphan, ours = (Path(base, f"{cgroup.PREFIX}{pid}-x") for pid in (dead.pid, os.getpid()))
+    orphan.mkdir()
+    ours.mkdir()
+    try:
+        cgroup._remove_orphans(base)
+        assert not orphan.exists() and ours.exists()
+    finally:
+        for d in (orphan, ours):
+            if d.exists():
+                d.rmdir()
+
+
+def test_the_filter_is_well_formed():
+    for arch in seccomp.ARCH:
+        prog = seccomp.filter_bytes(arch)
+        assert prog and len(prog) % 8 == 0 and len(prog) // 8 < 200
+    assert seccomp.filter_bytes("riscv64") is None  # no table: no filter rather than a wrong one
+
+
+@pytest.mark.parametrize("use", ALL)
+def test_ordinary_programs_run_under_the_filter(use, monkeypatch):
+    """Threads, fork, a child interpreter, pipes and AF_UNIX sockets, multiprocessing (its locks live in
+    /dev/shm): what a test program may use still works."""
+    use_backend(monkeypatch, use)
+    code = ("import os, sys, socket, subprocess, threading, multiprocessing\n"
+            "total = []\nts = [threading.Thread(target=lambda i=i: total.append(i)) for i in range(4)]\n"
+            "[t.start() for t in ts]; [t.join() for t in ts]\nprint('threads', sum(total))\n"
+            "pid = os.fork()\nif pid == 0:\n    os._exit(7)\n"
+            "print('fork', os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))\n"
+            "print('child', subprocess.run([sys.executable, '-c', 'print(6 * 7)'], capture_output=True, "
+            "text=True).stdout.strip())\n"
+            "a, b = socket.socketpair(); a.sendall(b'hi'); print('unix', b.recv(2).decode())\n"
+            "def square(x):\n    return x * x\n"
+            "if __name__ == '__main__':\n    with multiprocessing.get_context('fork').Pool(2) as pool:\n"
+            "        print('pool', sum(pool.map(square, range(5))))\n"
+            "    print(sum(map(int, sys.stdin.read().split())))\n")
+    res = run_python(code, "1 2 3", Limits(cpu_s=4, wall_s=10))
+    assert res.status == "ok", res
+    assert out(res) == ["threads 6", "fork 7", "child 42", "unix hi", "pool 30", "6"], res
+
+
+def _no_backend(monkeypatch, opt_in: bool):
+    monkeypatch.setattr(runner, "_backend", None)
+    monkeypatch.setattr(runner, "_probe", lambda use: f"{use} broken here")
+    monkeypatch.delenv("RECIPE_SANDBOX", raising=False)
+    if opt_in:
+        monkeypatch.setenv(runner.UNISOLATED_OPT_IN, "1")
+    else:
+        monkeypatch.delenv(runner.UNISOLATED_OPT_IN, raising=False)
+
+
+def test_without_isolation_code_is_refused_unless_the_user_opts_in(monkeypatch, capsys):
+    from recipe.envs import get_env
+
+    _no_backend(monkeypatch, opt_in=False)
+    with pytest.raises(SandboxError, match="RECIPE_SANDBOX_UNISOLATED=1"):
+        backend()
+    row = {"id": "r", "info": '{"tests": [{"fn": "f", "args": [1], "expected": 2}]}'}
+    monkeypatch.setattr("recipe.envs.code._VERDICTS", {})
+    with pytest.raises(SandboxError):  # the run stops with one line, rather than scoring every sample 0
+        get_env("code").score("<think></think>```python\ndef f(x):\n    return 2\n```", row)
+    _no_backend(monkeypatch, opt_in=True)
+    assert backend() == "rlimit" and backend() == "rlimit"
+    err = capsys.readouterr().err
+    assert err.count("WARNING") == 1 and "WITHOUT ISOLATION" in err
+
+
+def test_backend_names_and_forcing(monkeypatch, capsys):
+    monkeypatch.setattr(runner, "_probe", lambda use: None if use == "unshare" else "missing")
+    for forced, chosen in (("", "unshare"), ("rlimit", "unshare"), ("unshare", "unshare")):
+        monkeypatch.setenv("RECIPE_SANDBOX", forced)
+        monkeypatch.setattr(runner, "_backend", None)
+        assert backend() == chosen
+    assert "bubblewrap unusable" in capsys.readouterr().err
+    for forced in ("bwrap", "nonsense"):
+        monkeypatch.setenv("RECIPE_SANDBOX", forced)
+        monkeypatch.setattr(runner, "_backend", None)
+        with pytest.raises(SandboxError):
+            backend()
+
+
+def test_backend_and_results_are_plain_data():
+    assert backend() in ALL
+    if not os.environ.get("RECIPE_SANDBOX") and why_not("bwrap") is None:
+        assert backend() == "bwrap"
+    res = run_python("import sys\nprint(sys.stdin.read().upper(), end='')\nexit(0)", "abc", FAST)
+    assert (res.status, res.returncode, res.stdout, res.truncated) == ("ok", 0, "ABC", False)
+    json.dumps(res.__dict__)
 
 
 # ------------------------------------------------------------------------------------------- ordinary grading
@@ -382,15 +845,6 @@ def test_sandbox_failure_is_masked_not_scored(monkeypatch):
     assert res.status == "sandbox_error" and res.sandbox_failed and res.returncode is None, res
     report = run_tests("print(1)", [{"input": "", "output": "1"}, {"fn": "f", "args": [], "expected": 1}], FAST)
     assert report.sandbox_error and report.results == ["sandbox_error"] * 2
-
-
-def test_backend_and_results_are_plain_data():
-    assert backend() in ("bwrap", "rlimit")
-    if not os.environ.get("RECIPE_SANDBOX") and runner.shutil.which("bwrap") and runner._probe_bwrap() is None:
-        assert backend() == "bwrap"
-    res = run_python("import sys\nprint(sys.stdin.read().upper(), end='')\nexit(0)", "abc", FAST)
-    assert (res.status, res.returncode, res.stdout, res.truncated) == ("ok", 0, "ABC", False)
-    json.dumps(res.__dict__)
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2 or not hasattr(os, "sched_setaffinity"), reason="needs 2 cores")

@@ -2,9 +2,11 @@
 
 An environment turns a schema row into a prompt, parses the final answer out of a completion (the text after
 </think>), and scores it with a rubric: weighted reward functions whose weighted sum is the reward. A reward
-function that raises is caught, counted and reported; it never stops a run. One that raises MaskSample (the
-verifier itself could not judge, e.g. a broken sandbox) masks the sample: it is neither right nor wrong, so eval
-leaves it out of its metrics (and RL can drop it, from RewardResult.masked) rather than count it as 0.
+function that raises is caught, counted and reported; it never stops a run, unless it raises a RecipeError (a
+missing prerequisite, e.g. no sandbox here can isolate code: every sample would fail alike). One that raises
+MaskSample (the verifier itself could not judge, e.g. a broken sandbox) masks the sample: it is neither right nor
+wrong, so eval leaves it out of its metrics (and RL can drop it, from RewardResult.masked) rather than count it
+as 0.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from recipe.chat import parse_final_answer
+from recipe.errors import RecipeError
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +84,8 @@ class Environment:
             except MaskSample as e:
                 masked.append(f"{name}: {e}")
                 value = 0.0
+            except RecipeError:  # a missing prerequisite (no sandbox can isolate code here): every sample alike
+                raise
             except Exception as e:  # a verifier bug must cost one sample, not the run
                 log.warning("reward function %s.%s failed: %s", self.name, name, e)
                 errors.append(f"{name}: {type(e).__name__}: {e}")

@@ -1,9 +1,17 @@
 # Runs inside the sandbox, before the model's program, as `python -c <this> MODE CTL_FD PAYLOAD_FD`.
-# It reads the payload (code, and for MODE "fn" the test cases), says "started" on the control pipe (so the host
-# can tell a sandbox that never came up from a program that failed), then runs the program as __main__, and in
-# MODE "fn" calls its function on each case. Expected answers never come in here: the host compares.
+# It reads the payload (code, and for MODE "fn" the test cases); under the unshare backend it first builds the
+# sandbox's root (payload "setup"), stays behind as the pid namespace's init and runs the rest in a child; it
+# installs the seccomp filter (payload "seccomp"; bwrap installs it itself), says "started" on the control pipe
+# (so the host can tell a sandbox that never came up from a program that failed), then runs the program as
+# __main__, and in MODE "fn" calls its function on each case. Expected answers never come in here: the host
+# compares.
 import os
 import sys
+
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND = 1, 2, 4, 8, 32, 4096
+KEPT_FLAGS = MS_NOSUID | MS_NODEV | MS_NOEXEC | 1024 | 2048 | 4096  # and the atime ones: a remount must keep them
+DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
+NOBODY = 65534
 
 
 def _send(fd, obj):
@@ -14,20 +22,109 @@ def _send(fd, obj):
         data = data[os.write(fd, data):]
 
 
-def _block_network():
-    # rlimit fallback only (bwrap has no network at all): a weak guard that a determined program can get around.
-    import socket
+def _libc():
+    import ctypes
 
-    def refuse(*args, **kwargs):
-        raise PermissionError("network access is disabled in the sandbox")
+    libc = ctypes.CDLL(None, use_errno=True)
 
-    for name in ("socket", "SocketType", "create_connection", "create_server", "socketpair", "fromfd",
-                 "getaddrinfo", "gethostbyname", "gethostbyname_ex", "gethostbyaddr"):
-        setattr(socket, name, refuse)
-    import _socket
+    def call(what, ret):
+        if ret != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"{what}: {os.strerror(err)}")
+    return ctypes, libc, call
 
-    for name in ("socket", "SocketType", "getaddrinfo", "gethostbyname", "gethostbyname_ex", "gethostbyaddr"):
-        setattr(_socket, name, refuse)
+
+def prctl(libc, option, *args):
+    import ctypes
+
+    args = (args + (0, 0, 0, 0))[:4]  # unused arguments must be 0, as whole words
+    return libc.prctl(ctypes.c_int(option), *(ctypes.c_ulong(a) for a in args))
+
+
+def _build_root(setup):
+    # unshare backend, as root of the run's new user namespace (no power outside it): a root of its own like
+    # bwrap's, then the old one detached, so nothing of the host's file system stays reachable
+    ctypes, libc, call = _libc()
+    enc = lambda s: None if s is None else s.encode()  # noqa: E731
+
+    def mount(src, dst, fstype=None, flags=0, data=None):
+        call(f"mount {dst}", libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)))
+
+    def read_only(path, extra=MS_NOSUID | MS_NODEV):
+        mount(None, path, None, MS_REMOUNT | MS_BIND | MS_RDONLY | (os.statvfs(path).f_flag & KEPT_FLAGS) | extra)
+
+    def bind(src, dst):
+        if os.path.isdir(src):
+            os.makedirs(dst, exist_ok=True)
+        else:
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            open(dst, "w").close()
+        mount(src, dst, None, MS_BIND)
+
+    mount("tmpfs", setup["at"], "tmpfs", MS_NOSUID | MS_NODEV, "size=1m,mode=0755")
+    os.chdir(setup["at"])
+    os.mkdir("oldroot")
+    call("pivot_root", libc.syscall(setup["pivot_root"], b".", b"oldroot"))
+    os.chdir("/")
+    for kind, path, *arg in setup["layout"]:
+        if kind == "bind":
+            bind("/oldroot" + path, path)
+            read_only(path)
+        elif kind == "link":
+            os.symlink(path, arg[0])
+        elif kind == "proc":
+            os.mkdir(path)
+            mount("proc", path, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        elif kind == "dev":
+            os.mkdir(path)
+            mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NOEXEC, "size=64k,mode=0755")
+            for name in DEVICES:
+                if os.path.exists("/oldroot/dev/" + name):
+                    bind("/oldroot/dev/" + name, f"{path}/{name}")
+            for i, name in enumerate(("stdin", "stdout", "stderr")):
+                os.symlink(f"/proc/self/fd/{i}", f"{path}/{name}")
+            os.symlink("/proc/self/fd", f"{path}/fd")
+        elif kind == "tmpfs":
+            os.makedirs(path, exist_ok=True)
+            mount("tmpfs", path, "tmpfs", MS_NOSUID | MS_NODEV, f"size={arg[0]},mode=1777")
+        elif kind == "ro":
+            read_only(path, MS_NOSUID | MS_NOEXEC)
+    call("umount oldroot", libc.umount2(b"/oldroot", 2))  # MNT_DETACH
+    os.rmdir("/oldroot")
+    read_only("/")
+    libc.sethostname(b"sandbox", 7)
+    prctl(libc, 4, 0)  # PR_SET_DUMPABLE 0: the program cannot read or trace this init
+    child = os.fork()
+    if child:  # the namespace's init: when it exits the kernel ends every process left in the namespace
+        import signal
+
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # an init ignores what the namespace sends it, unless handled
+        while True:
+            pid, status = os.waitpid(-1, 0)
+            if pid == child:
+                os._exit(128 + os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status))
+    # the program: uid nobody of a nested user namespace that owns nothing, without any capability
+    call("unshare", libc.unshare(0x10000000))  # CLONE_NEWUSER
+    for name, text in (("setgroups", "deny"), ("uid_map", f"{NOBODY} 0 1"), ("gid_map", f"{NOBODY} 0 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+    os.setresgid(NOBODY, NOBODY, NOBODY)
+    os.setresuid(NOBODY, NOBODY, NOBODY)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # capset v3: no capability at all
+    call("capset", libc.capset(header, (ctypes.c_uint32 * 6)()))
+    os.chdir("/tmp")
+
+
+def _install_filter(program):
+    # what bwrap --seccomp does: no new privileges, then the filter (struct sock_fprog: length, pointer)
+    ctypes, libc, call = _libc()
+
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_char_p)]
+
+    call("no_new_privs", prctl(libc, 38, 1))
+    prog = Prog(len(program) // 8, program)
+    call("seccomp", prctl(libc, 22, 2, ctypes.addressof(prog)))  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
 
 
 def _print_exc(e, frames=True):
@@ -106,8 +203,10 @@ def _main():
     import json
 
     payload = json.loads(b"".join(chunks))
-    if payload.get("block_network"):
-        _block_network()
+    if payload.get("setup"):
+        _build_root(payload["setup"])
+    if payload.get("seccomp"):
+        _install_filter(bytes.fromhex(payload["seccomp"]))
     os.set_inheritable(ctl, False)  # a shell the program starts must not hold the host's pipe open
     _send(ctl, {"started": True})
     try:

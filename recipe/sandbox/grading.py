@@ -7,12 +7,15 @@ run again for the other tests.
 functional tests ({"fn", "args", "expected"}): one sandboxed process imports the program and calls `fn` (or
 `Solution().fn`) on every case, each case under its own wall and CPU timer. If a case brings the whole process
 down (a crash, os._exit, a loop the timer cannot interrupt), that case gets the process's verdict and the cases
-after it run again in a fresh process, so one bad case never hides the others. Expected values stay on the host:
-the program can only report what its function returned.
+after it run again in a fresh process, so one bad case never hides the others. The group's deadline is fixed at
+its start (a start, an import and one step per case): runs again after a crash share it, and no message on the
+harness's channel moves it; cases it leaves no time for are "timeout". Expected values stay on the host: the
+program can only report what its function returned.
 """
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 
 from recipe.sandbox.runner import CONTROL_BYTES, STEP_GRACE_S, Limits, RunResult, execute
@@ -96,13 +99,19 @@ def _run_functional(code: str, name: str, idxs: list[int], tests: list[dict], li
                     results: list) -> str | None:
     """Fill results for the functional tests idxs; returns the sandbox's failure, if any."""
     pending = list(idxs)
+    step = limits.wall_s + STEP_GRACE_S
+    # fixed now, for every process the group may take: the program's start, an import and each case's step;
+    # whatever the program writes on the harness's channel, and however often it brings the process down
+    until = time.monotonic() + limits.wall_s + (len(pending) + 1) * step
     while pending:
+        if time.monotonic() >= until:  # earlier cases took the group's time: the rest do not run
+            for i in pending:
+                results[i] = "timeout"
+            return None
         n = len(pending)
         payload = {"code": code, "fn": name, "cases": [[i, _args(tests[i])] for i in pending],
                    "case_wall_s": limits.wall_s, "case_cpu_s": limits.cpu_s, "max_result_bytes": CONTROL_BYTES // 2}
-        step = limits.wall_s + STEP_GRACE_S
-        res, msgs = execute(payload, "", limits, "fn", step_s=step, cpu_s=limits.cpu_s * (n + 1),
-                            hard_s=(n + 1) * step)
+        res, msgs = execute(payload, "", limits, "fn", step_s=step, cpu_s=limits.cpu_s * (n + 1), until=until)
         if res.sandbox_failed:
             return res.reason
         waiting = set(pending)

@@ -1,55 +1,79 @@
 """One sandboxed run of untrusted Python: isolation, limits, bounded output, and an honest verdict.
 
-Two backends, picked once per process by `backend()`:
-- "bwrap" (bubblewrap): user, pid, net, ipc, uts and cgroup namespaces; a read-only /usr (plus the interpreter's
-  own prefix), a fresh /proc and /dev, and a size-bounded tmpfs at /tmp as the only writable place, cwd and HOME.
-  Nothing else of the host's file system is visible: not the repository, not /root, not the host's /tmp.
-- "rlimit" (no usable bwrap): the same limits, a clean environment and a private temporary cwd, sockets refused
-  inside the interpreter (a subprocess or `import _socket` gets around that) and, as root, the unprivileged uid
-  nobody. Weaker: files the uid may write elsewhere (/tmp) are writable, disk use is bounded per file only,
-  concurrent runs share uid nobody (one may signal another), and without root the code runs as the caller's
-  own uid and can touch whatever that uid can.
+Backends, picked once per process by `backend()`:
+- "bwrap" (bubblewrap) and "unshare" (util-linux unshare, when bwrap is missing or broken) isolate alike: user,
+  pid, net, ipc, uts, cgroup and mount namespaces; a fresh root holding only a read-only /usr (plus the
+  interpreter's own prefix), a fresh /proc, a minimal read-only /dev, and size-capped tmpfs at /tmp (4x file_mb;
+  cwd and HOME) and /dev/shm (1x file_mb) as the only writable places. The repository, runs/ (hidden tests),
+  /root and the host's /tmp are not there at all, and nothing is left on the host to clean up. The program runs
+  as uid nobody of a namespace of its own, without capabilities; its processes die with the run's pid
+  namespace, whatever they do (setsid, double fork, an empty environment). No network: an empty net namespace.
+  "unshare" builds that root itself (_inside.py, as root of the new user namespace) before the program starts.
+- "rlimit": no namespaces, only the limits, the filter and, as root, a private uid. It can read whatever its
+  uid may (the repository and runs/ are usually world-readable), so it never starts by itself: it needs
+  RECIPE_SANDBOX_UNISOLATED=1, and then says so loudly. Its folder is removed without following any link the
+  program may have planted; as root, every process of its uid is killed and its files in /tmp, /var/tmp and
+  /dev/shm removed; without root, processes are found by session and an environment token (not watertight).
 
-Both: rlimits (CPU, address space, processes, file size, open files, no core files) set by `prlimit` (util-linux)
-before the sandbox starts; a new session so the whole process group is killed at the wall limit; stdout and stderr read
-as they come and cut at a bound. As root the sandbox runs as uid nobody (65534): RLIMIT_NPROC does not bind
-root, and nobody cannot signal or read the host's processes. RLIMIT_NPROC counts all tasks of a uid, so the
-limit is max_procs above what that uid already runs.
+On every backend:
+- As root, each run has a private uid (random, high range): sibling runs cannot signal, trace or read each
+  other, and RLIMIT_NPROC counts exactly the run's own processes. Without root, the caller's uid.
+- rlimits (CPU, address space, processes, file size, open files, no core files) set by `prlimit`.
+- A seccomp filter (seccomp.py: x86_64 and aarch64) denies ptrace, namespaces and mounts, memfd_create, SysV
+  shared memory, sched_setaffinity (CPU affinity cannot be widened), io_uring, bpf, keyrings, kernel modules,
+  the clock, and every socket but AF_UNIX.
+- Memory: RLIMIT_AS per process. What it does not count is bounded too: memfd and SysV shared memory are
+  denied, and under the namespaced backends /tmp and /dev/shm are size-capped tmpfs (under "rlimit" the host's
+  /dev/shm is bounded only per file, by RLIMIT_FSIZE, and by the cgroup). Where a memory cgroup can be made
+  (cgroup.py), the run's processes together are held to 2x memory_mb + 5x file_mb, shared memory and tmpfs
+  included; an OOM kill there is a "memory" verdict, and the cgroup is one more way every process is killed.
+- Deadlines are fixed when they start: the run's at start (wall_s); in a functional run each case's when the
+  harness begins it (step_s), and never past `until`, which the caller fixes for the whole group of cases.
+  Messages on the control channel (the program can write there too) never move a deadline later.
+- stdout and stderr read as they come and cut at a bound.
 
-Set RECIPE_SANDBOX=rlimit (or =bwrap) to force a backend.
+Set RECIPE_SANDBOX=bwrap or =unshare to force a backend (an error if it does not work here); =rlimit, the older
+name for "not bubblewrap", now means the unshare fallback, or the rlimit backend where only it can run.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import secrets
 import selectors
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from recipe.errors import SandboxError
+from recipe.sandbox import seccomp, unisolated
+from recipe.sandbox.cgroup import Cgroup
+
 NOBODY = 65534
+PRIVATE_UIDS = (2_100_000_000, 1 << 24)  # first uid and count of the range private uids are drawn from
+SANDBOX_PROCS = 4  # the sandbox's own processes (bwrap's two, unshare and its pid 1), under the run's uid
 CONTROL_BYTES = 1 << 20  # the host's side channel from the harness (function results), bounded like output
 EXIT_GRACE_S = 0.5  # after the program exits, how long leftover children may keep its pipes open
 STEP_GRACE_S = 0.5  # functional tests: slack over a case's wall limit before the host kills the process
 INSIDE = (Path(__file__).with_name("_inside.py")).read_text()
 PATH = "/usr/local/bin:/usr/bin:/bin"
+UNISOLATED_OPT_IN = "RECIPE_SANDBOX_UNISOLATED"
 
 
 @dataclass(frozen=True)
 class Limits:
     cpu_s: float = 2.0          # RLIMIT_CPU (whole seconds, rounded up)
-    wall_s: float = 5.0         # the whole process group is killed after this
-    memory_mb: int = 256        # RLIMIT_AS
-    max_procs: int = 32         # RLIMIT_NPROC, above what the sandbox uid already runs
-    file_mb: int = 8            # RLIMIT_FSIZE; with bwrap the writable tmpfs holds 4x this in all
+    wall_s: float = 5.0         # the whole run is killed after this
+    memory_mb: int = 256        # RLIMIT_AS; the run's memory cgroup, where there is one, holds 2x this + 5x file_mb
+    max_procs: int = 32         # RLIMIT_NPROC: the run's own processes and threads
+    file_mb: int = 8            # RLIMIT_FSIZE; the tmpfs at /tmp holds 4x this in all, /dev/shm 1x
     open_files: int = 64        # RLIMIT_NOFILE
     output_bytes: int = 65536   # stdout and stderr each cut at this bound
 
@@ -72,35 +96,55 @@ class RunResult:
 
 # ---------------------------------------------------------------------------------------------- backend choice
 
+_choice_lock = threading.Lock()  # held while probing, which runs sandboxes: not the lock those take
 _lock = threading.Lock()
 _backend: str | None = None
 
 
 def backend() -> str:
-    """ "bwrap" when bubblewrap is on PATH and starts a sandbox here, else "rlimit" (with one warning line)."""
+    """ "bwrap" when bubblewrap starts a sandbox here, else "unshare" (one note on stderr), else "rlimit" if the
+    user opted in (one loud warning), else SandboxError."""
     global _backend
-    with _lock:
+    with _choice_lock:
         if _backend is None:
-            forced = os.environ.get("RECIPE_SANDBOX", "")
-            if forced not in ("", "bwrap", "rlimit"):
-                raise ValueError(f"RECIPE_SANDBOX={forced!r}: expected 'bwrap' or 'rlimit'")
-            why = "forced by RECIPE_SANDBOX=rlimit" if forced == "rlimit" else _probe_bwrap()
-            if why is None:
-                _backend = "bwrap"
-            elif forced == "bwrap":
-                raise RuntimeError(f"RECIPE_SANDBOX=bwrap but bubblewrap does not work here: {why}")
-            else:
-                _backend = "rlimit"
-                print(f"warning: sandbox: bubblewrap unusable ({why}); model-written code runs under the weaker "
-                      "rlimit-only isolation. Install it with `apt-get install bubblewrap`.", file=sys.stderr)
+            _backend = _choose(os.environ.get("RECIPE_SANDBOX", ""))
         return _backend
 
 
-def _probe_bwrap() -> str | None:
-    """None when a real bwrap sandbox runs a program here, else why not."""
-    if shutil.which("bwrap") is None:
-        return "bwrap not on PATH"
-    res, _ = execute({"code": "print('ok')"}, "", Limits(wall_s=30), "script", use="bwrap")  # a busy host is no failure
+def _choose(forced: str) -> str:
+    if forced not in ("", "bwrap", "unshare", "rlimit"):
+        raise SandboxError(f"RECIPE_SANDBOX={forced!r}: expected 'bwrap', 'unshare' or 'rlimit'")
+    why = {}
+    for use in ("bwrap", "unshare"):
+        if forced in ("", use) or (forced == "rlimit" and use == "unshare"):
+            why[use] = _probe(use)
+            if why[use] is None:
+                if use == "unshare" and "bwrap" in why:
+                    print(f"note: sandbox: bubblewrap unusable ({why['bwrap']}); model-written code runs in "
+                          "namespaces made with util-linux unshare instead", file=sys.stderr)
+                return use
+            if forced == use:
+                raise SandboxError(f"RECIPE_SANDBOX={use} but it cannot start a sandbox here: {why[use]}")
+    tried = "; ".join(f"{k}: {v}" for k, v in why.items())
+    if os.environ.get(UNISOLATED_OPT_IN) != "1":
+        raise SandboxError(f"sandbox: no isolating sandbox works here ({tried}); install bubblewrap "
+                           f"(apt-get install bubblewrap) or allow user namespaces, or set {UNISOLATED_OPT_IN}=1 "
+                           "to run model-written code without isolation (it can then read the hidden tests)")
+    print(f"WARNING: sandbox: {UNISOLATED_OPT_IN}=1: model-written code runs WITHOUT ISOLATION ({tried}); it "
+          "can read this repository and runs/ (hidden tests), and every file its uid may. Do not trust rewards "
+          "or scores from this run.", file=sys.stderr)
+    return "rlimit"
+
+
+def _probe(use: str) -> str | None:
+    """None when a real sandbox of this kind runs a program here, else why not."""
+    tools = [use] + (["setpriv"] if os.geteuid() == 0 else [])
+    missing = [t for t in tools if shutil.which(t, path=PATH) is None]  # found as the sandbox's command is
+    if missing:
+        return f"{', '.join(missing)} not found"
+    if use == "unshare" and seccomp.machine() not in seccomp.PIVOT_ROOT:
+        return f"no system call numbers for {seccomp.machine()}"
+    res, _ = execute({"code": "print('ok')"}, "", Limits(wall_s=30), "script", use=use)  # a busy host is no failure
     if res.status == "ok" and res.stdout.strip() == "ok":
         return None
     return f"{res.status}: {res.reason}"
@@ -117,41 +161,30 @@ def _bwrap_features() -> set:
             text = subprocess.run(["bwrap", "--help"], capture_output=True, text=True, timeout=10).stdout
         except (OSError, subprocess.SubprocessError):
             text = ""
-        _features = {opt for opt in ("--disable-userns", "--size") if opt in text}
+        _features = {opt for opt in ("--disable-userns", "--size", "--perms", "--remount-ro") if opt in text}
     return _features
 
 
-# ------------------------------------------------------------------------------------------------ the command
+# ------------------------------------------------------------------------------------------------ private uids
 
-def _sandbox_uid() -> int | None:
-    return NOBODY if os.geteuid() == 0 else None
-
-
-def _usable_by_others(path: str) -> bool:
-    """Can uid nobody execute this file (every folder above searchable, the file readable and executable)?"""
-    try:
-        p = Path(path)
-        if p.stat().st_mode & 0o005 != 0o005:
-            return False
-        return all(d.stat().st_mode & 0o001 for d in p.parents)
-    except OSError:
-        return False
+_uids_in_use: set[int] = set()
 
 
-_interp: str | None = None
+def _take_uid() -> int | None:
+    """A uid of the run's own (root only); None: the caller's."""
+    if os.geteuid() != 0:
+        return None
+    with _lock:
+        while True:
+            uid = PRIVATE_UIDS[0] + secrets.randbelow(PRIVATE_UIDS[1])
+            if uid not in _uids_in_use:
+                _uids_in_use.add(uid)
+                return uid
 
 
-def interpreter() -> str:
-    """The Python the sandbox runs: this one's base interpreter (no venv packages), or a system python3 when
-    uid nobody cannot reach this one (e.g. a pyenv or uv Python under /root)."""
-    global _interp
-    if _interp is None:
-        own = os.path.realpath(sys.executable)
-        system = shutil.which("python3", path=PATH)
-        candidates = [own] + ([os.path.realpath(system)] if system else [])
-        usable = [c for c in candidates if _sandbox_uid() is None or _usable_by_others(c)]
-        _interp = (usable or candidates)[0]
-    return _interp
+def _release_uid(uid: int | None) -> None:
+    with _lock:
+        _uids_in_use.discard(uid)
 
 
 def _tasks_of(uid: int) -> int:
@@ -167,10 +200,41 @@ def _tasks_of(uid: int) -> int:
     return n
 
 
-def _rlimits(limits: Limits, cpu_s: float, uid: int) -> dict[str, tuple[int, int]]:
+def _usable_by_others(path: str) -> bool:
+    """Can another uid execute this file (every folder above searchable, the file readable and executable)?"""
+    try:
+        p = Path(path)
+        if p.stat().st_mode & 0o005 != 0o005:
+            return False
+        return all(d.stat().st_mode & 0o001 for d in p.parents)
+    except OSError:
+        return False
+
+
+_interp: str | None = None
+
+
+def interpreter() -> str:
+    """The Python the sandbox runs: this one's base interpreter (no venv packages), or a system python3 when a
+    private uid cannot reach this one (e.g. a pyenv or uv Python under /root)."""
+    global _interp
+    if _interp is None:
+        own = os.path.realpath(sys.executable)
+        system = shutil.which("python3", path=PATH)
+        candidates = [own] + ([os.path.realpath(system)] if system else [])
+        usable = [c for c in candidates if os.geteuid() != 0 or _usable_by_others(c)]
+        _interp = (usable or candidates)[0]
+    return _interp
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+def _rlimits(limits: Limits, cpu_s: float, uid: int | None) -> dict[str, tuple[int, int]]:
     cpu = max(1, math.ceil(cpu_s))
     one = lambda v: (v, v)  # noqa: E731
-    return {"cpu": (cpu, cpu + 1), "as": one(limits.memory_mb << 20), "nproc": one(limits.max_procs + _tasks_of(uid)),
+    # a private uid runs nothing else; the caller's own uid counts what it runs already
+    procs = limits.max_procs + SANDBOX_PROCS + (0 if uid is not None else _tasks_of(os.getuid()))
+    return {"cpu": (cpu, cpu + 1), "as": one(limits.memory_mb << 20), "nproc": one(procs),
             "fsize": one(limits.file_mb << 20), "nofile": one(limits.open_files), "core": one(0)}
 
 
@@ -206,27 +270,54 @@ def _preexec(rl: dict):
     return apply
 
 
-def _bwrap(limits: Limits, exe: str) -> list[str]:
+def _layout(limits: Limits, exe: str) -> list[list]:
+    """The sandbox's file system, in order: what bwrap's options say and what _inside.py builds for unshare."""
+    ops: list[list] = [["bind", "/usr"]]
+    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
+        if os.path.islink(top):
+            ops.append(["link", os.readlink(top), top])
+        elif os.path.isdir(top):
+            ops.append(["bind", top])
+    ops += [["bind", f] for f in ("/etc/ld.so.cache", "/etc/localtime", "/etc/passwd", "/etc/group")
+            if os.path.isfile(f)]
+    ops += [["proc", "/proc"], ["dev", "/dev"], ["tmpfs", "/dev/shm", limits.file_mb << 20], ["ro", "/dev"],
+            ["tmpfs", "/tmp", 4 * limits.file_mb << 20]]
+    prefix = str(Path(exe).parent.parent)
+    if prefix != "/usr" and not prefix.startswith("/usr/"):
+        ops.append(["bind", prefix])  # after /tmp: the prefix may live below it
+    return ops
+
+
+def _bwrap(layout: list[list], seccomp_fd: int | None) -> list[str]:
     feats = _bwrap_features()
     cmd = ["bwrap", "--unshare-all", "--unshare-user", "--die-with-parent", "--uid", str(NOBODY), "--gid",
            str(NOBODY), "--hostname", "sandbox", "--cap-drop", "ALL"]
     if "--disable-userns" in feats:
-        cmd.append("--disable-userns")  # no nested namespaces from inside
-    cmd += ["--ro-bind", "/usr", "/usr", "--proc", "/proc", "--dev", "/dev"]
-    for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
-        if os.path.islink(top):
-            cmd += ["--symlink", os.readlink(top), top]
-        elif os.path.isdir(top):
-            cmd += ["--ro-bind", top, top]
-    for f in ("/etc/ld.so.cache", "/etc/localtime", "/etc/passwd", "/etc/group"):
-        cmd += ["--ro-bind-try", f, f]
-    if "--size" in feats:
-        cmd += ["--size", str(4 * limits.file_mb << 20)]
-    cmd += ["--tmpfs", "/tmp"]
-    prefix = str(Path(exe).parent.parent)
-    if prefix != "/usr" and not prefix.startswith("/usr/"):
-        cmd += ["--ro-bind", prefix, prefix]  # after /tmp: the prefix may live below it
+        cmd.append("--disable-userns")  # no nested namespaces from inside (the filter denies them too)
+    for kind, path, *arg in layout:
+        if kind == "bind":
+            cmd += ["--ro-bind", path, path]
+        elif kind == "link":
+            cmd += ["--symlink", path, arg[0]]
+        elif kind in ("proc", "dev"):
+            cmd += [f"--{kind}", path]
+        elif kind == "tmpfs":
+            if "--size" in feats:
+                cmd += ["--size", str(arg[0])]
+            if "--perms" in feats:
+                cmd += ["--perms", "1777"]
+            cmd += ["--tmpfs", path]
+        elif kind == "ro" and "--remount-ro" in feats:
+            cmd += ["--remount-ro", path]
+    if "--remount-ro" in feats:
+        cmd += ["--remount-ro", "/"]  # bwrap's root is a tmpfs without a size: read-only, as _inside.py makes it
+    if seccomp_fd is not None:
+        cmd += ["--seccomp", str(seccomp_fd)]
     return cmd + ["--chdir", "/tmp", "--"]
+
+
+UNSHARE = ["unshare", "--user", "--map-root-user", "--pid", "--kill-child", "--net", "--ipc", "--uts", "--mount",
+           "--cgroup", "--"]
 
 
 # ------------------------------------------------------------------------------------------------- execution
@@ -255,37 +346,6 @@ def _killpg(pgid: int) -> None:
         pass
 
 
-def _kill_escaped(token: str, sid: int, uid: int) -> None:
-    """rlimit backend: kill the run's processes that left its process group (setpgid, setsid): same session, or
-    still the run's token in their environment."""
-    needle = f"RECIPE_SANDBOX_RUN={token}".encode()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if entry.stat().st_uid != uid:
-                continue
-            with open(f"/proc/{entry.name}/environ", "rb") as f:
-                found = needle in f.read()
-            if not found:
-                with open(f"/proc/{entry.name}/stat", "rb") as f:
-                    found = int(f.read().rsplit(b")", 1)[1].split()[3]) == sid  # field 6: session id
-            if found:
-                os.kill(int(entry.name), signal.SIGKILL)
-        except (OSError, ValueError, IndexError):
-            pass
-
-
-def _rmtree(path: str) -> None:
-    def retry(func, p, exc):  # a program may leave folders without write permission
-        try:
-            os.chmod(os.path.dirname(p), 0o700)
-            func(p)
-        except OSError:
-            pass
-    shutil.rmtree(path, onerror=retry)
-
-
 class _Stream:
     def __init__(self, cap: int):
         self.cap, self.data, self.truncated = cap, bytearray(), False
@@ -297,65 +357,96 @@ class _Stream:
         self.data += chunk[:max(room, 0)]
 
 
+_filter: bytes | None = None
+
+
+def _seccomp_filter() -> bytes | None:
+    global _filter
+    if _filter is None:
+        _filter = seccomp.filter_bytes() or b""
+    return _filter or None
+
+
 def execute(payload: dict, stdin: str, limits: Limits, mode: str, use: str | None = None,
-            step_s: float | None = None, cpu_s: float | None = None, hard_s: float | None = None,
+            step_s: float | None = None, cpu_s: float | None = None, until: float | None = None,
             ) -> tuple[RunResult, list[dict]]:
     """Run the payload's code once. Returns the verdict and the control messages of the inside harness.
 
-    step_s (functional tests): every harness message moves the deadline to now + step_s, never past hard_s.
+    Functional tests (mode "fn", step_s set): the program's import, and then each case from the moment the
+    harness begins it, has step_s; the whole run never goes past `until` (time.monotonic()), which the caller
+    fixes once for all the runs of a group of cases. Only the harness's first "started" and its "begin" of the
+    case due next start a step; nothing the program writes moves a deadline later than that.
     """
     use = use or backend()
     cpu_s = limits.cpu_s if cpu_s is None else cpu_s
-    uid = _sandbox_uid()
     exe = interpreter()
-    payload = {**payload, "block_network": use == "rlimit"}
+    filt = _seccomp_filter()
+    payload = dict(payload)
     token = uuid.uuid4().hex
     env = {"PATH": PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONHASHSEED": "0",
-           "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1", "RECIPE_SANDBOX_RUN": token}
-    workdir = None
-    if use == "bwrap":
-        cwd, prefix = None, _bwrap(limits, exe)
-        env.update(HOME="/tmp", TMPDIR="/tmp")
-    else:
-        workdir = cwd = tempfile.mkdtemp(prefix="recipe-sandbox-")
-        if uid is not None:
-            os.chown(workdir, uid, uid)
-        prefix = []
-        env.update(HOME=workdir, TMPDIR=workdir)
-    rl = _rlimits(limits, cpu_s, os.getuid() if uid is None else uid)
-    has_prlimit = shutil.which("prlimit") is not None
-
+           "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1", "RECIPE_SANDBOX_RUN": token,
+           "HOME": "/tmp", "TMPDIR": "/tmp"}
     start = time.monotonic()
-    ctl_r, ctl_w = os.pipe()
-    src = _memfd("sandbox-payload", json.dumps(payload).encode())
-    stdin_fd = _memfd("sandbox-stdin", stdin.encode()) if stdin else subprocess.DEVNULL
-    cmd = (_cores_prefix() + (_prlimit(rl) if has_prlimit else []) + prefix +
-           [exe, "-s", "-B", "-c", INSIDE, mode, str(ctl_w), str(src)])
-    user = {} if uid is None else {"user": uid, "group": uid, "extra_groups": []}
+    uid = _take_uid()
+    opened: list[int] = []
+    workdir = cgroup = proc = None
     try:
+        cgroup = Cgroup.make((2 * limits.memory_mb + 5 * limits.file_mb) << 20)
+        cwd = None
+        if use == "bwrap":
+            if filt:
+                opened.append(_memfd("sandbox-seccomp", filt))
+            sandbox = _bwrap(_layout(limits, exe), opened[-1] if filt else None)
+        elif use == "unshare":
+            sandbox = UNSHARE
+            payload["setup"] = {"layout": _layout(limits, exe), "pivot_root": seccomp.PIVOT_ROOT[seccomp.machine()],
+                                "at": "/tmp"}  # a folder every host has, to build the new root on
+        else:
+            sandbox = []
+            workdir = unisolated.Workdir(uid)
+            cwd = workdir.home
+            env.update(HOME=workdir.home, TMPDIR=workdir.home)
+        if filt and use != "bwrap":
+            payload["seccomp"] = filt.hex()
+        rl = _rlimits(limits, cpu_s, uid)
+        has_prlimit = shutil.which("prlimit", path=PATH) is not None
+        ctl_r, ctl_w = os.pipe()
+        opened += [ctl_r, ctl_w]
+        src = _memfd("sandbox-payload", json.dumps(payload).encode())
+        opened.append(src)
+        stdin_fd = _memfd("sandbox-stdin", stdin.encode()) if stdin else subprocess.DEVNULL
+        if stdin:
+            opened.append(stdin_fd)
+        cmd = cgroup.join() if cgroup else []
+        cmd += _cores_prefix() + (_prlimit(rl) if has_prlimit else [])
+        if uid is not None:
+            cmd += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+        cmd += sandbox + [exe, "-s", "-B", "-c", INSIDE, mode, str(ctl_w), str(src)]
         proc = subprocess.Popen(cmd, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
-                                env=env, pass_fds=(ctl_w, src), start_new_session=True,
-                                preexec_fn=None if has_prlimit else _preexec(rl), **user)
+                                env=env, pass_fds=[fd for fd in opened if fd != ctl_r], start_new_session=True,
+                                preexec_fn=None if has_prlimit else _preexec(rl))
     except OSError as e:
-        for fd in (ctl_r, ctl_w, src) + ((stdin_fd,) if stdin else ()):
+        for fd in opened:
             os.close(fd)
-        if workdir:
-            _rmtree(workdir)
+        _finish(use, uid, exe, cgroup, workdir)
         return RunResult("sandbox_error", None, "", "", False, time.monotonic() - start,
-                         f"sandbox failed to start: {e}"), []
-    for fd in (ctl_w, src) + ((stdin_fd,) if stdin else ()):
-        os.close(fd)
+                         f"sandbox failed to start ({use}): {e}"), []
+    for fd in opened:
+        if fd != ctl_r:
+            os.close(fd)
 
     out, err, ctl = _Stream(limits.output_bytes), _Stream(limits.output_bytes), _Stream(CONTROL_BYTES)
     streams = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, ctl_r: ctl}
     sel = selectors.DefaultSelector()
     for fd in streams:
         sel.register(fd, selectors.EVENT_READ)
-    deadline = start + limits.wall_s
-    hard = start + (hard_s if hard_s is not None else limits.wall_s)
+    ceiling = math.inf if until is None else until
+    deadline = min(ceiling, start + limits.wall_s)  # the sandbox's start and, for a script, the whole run
+    due = [c[0] for c in payload.get("cases", [])]
+    up, begun = False, 0  # the harness said "started"; cases it began
     messages, line, timed_out, exited_at = [], bytearray(), False, None
     try:
-        while sel.get_map():
+        while True:
             now = time.monotonic()
             if now >= deadline:
                 timed_out = True
@@ -363,8 +454,11 @@ def execute(payload: dict, stdin: str, limits: Limits, mode: str, use: str | Non
             if exited_at is None and _exited(proc.pid):
                 exited_at = now
                 _killpg(proc.pid)  # children still holding the pipes go with it
-            if exited_at is not None and now - exited_at > EXIT_GRACE_S:
+            if exited_at is not None and (not sel.get_map() or now - exited_at > EXIT_GRACE_S):
                 break
+            if not sel.get_map():  # it closed its output but runs on: its verdict waits for its end
+                time.sleep(min(deadline - now, 0.02))
+                continue
             for key, _ in sel.select(timeout=min(deadline - now, 0.1)):
                 chunk = os.read(key.fd, 1 << 16)
                 if not chunk:
@@ -380,29 +474,53 @@ def execute(payload: dict, stdin: str, limits: Limits, mode: str, use: str | Non
                     del line[:nl + 1]
                     if msg is not None:
                         messages.append(msg)
-                        if step_s is not None:
-                            deadline = min(hard, time.monotonic() + step_s)
+                        if step_s is not None and _starts_step(msg, up, due, begun):
+                            deadline = min(ceiling, time.monotonic() + step_s)
+                            begun, up = begun + up, True
                     nl = line.find(b"\n")
     finally:  # also on an exception here (KeyboardInterrupt): nothing of the program outlives the call
         sel.close()
         _killpg(proc.pid)
-        if use == "rlimit":  # before reaping: until then no other process can take over the session id
-            _kill_escaped(token, proc.pid, os.getuid() if uid is None else uid)
+        if cgroup:
+            cgroup.kill_all()
+        if use == "rlimit" and uid is None:  # before reaping: until then no other process can take the session id
+            unisolated.kill_escaped(token, proc.pid, os.getuid())
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
         wall = time.monotonic() - start
         for f in (proc.stdout, proc.stderr):
             f.close()
         os.close(ctl_r)
-        if workdir:
-            _rmtree(workdir)
+        oom = cgroup.oom_kills() if cgroup else 0
+        _finish(use, uid, exe, cgroup, workdir)
 
     stdout = out.data.decode("utf-8", "replace")
     stderr = err.data.decode("utf-8", "replace")
     started = any(m.get("started") for m in messages)
     status, code, reason = _verdict(started, timed_out, proc.returncode, usage.ru_utime + usage.ru_stime,
-                                    stderr, limits, cpu_s, use, wall)
+                                    stderr, limits, cpu_s, use, wall, oom)
     return RunResult(status, code, stdout, stderr, out.truncated or err.truncated, wall, reason), messages
+
+
+def _finish(use: str, uid: int | None, exe: str, cgroup: Cgroup | None, workdir: unisolated.Workdir | None) -> None:
+    """After the run: every process of it gone first, then its files, its cgroup and its uid."""
+    if use == "rlimit" and uid is not None:
+        unisolated.kill_uid(uid, exe)
+    if workdir:
+        workdir.remove()
+    if use == "rlimit" and uid is not None:
+        unisolated.remove_files_of(uid)
+    if cgroup:
+        cgroup.remove()
+    _release_uid(uid)
+
+
+def _starts_step(msg: dict, up: bool, due: list, begun: int) -> bool:
+    """The harness's first "started" (sent before any of the program runs) or its "begin" of the case due next:
+    the only messages that start a step. The program can forge the second, but only to end its time sooner."""
+    if not up:
+        return msg.get("started") is True
+    return begun < len(due) and type(msg.get("begin")) is int and msg["begin"] == due[begun]
 
 
 def _parse(line: bytes) -> dict | None:
@@ -419,14 +537,15 @@ def _last_line(text: str) -> str:
 
 
 def _verdict(started: bool, timed_out: bool, rc: int, cpu_used: float, stderr: str, limits: Limits,
-             cpu_s: float, use: str, wall: float) -> tuple[str, int | None, str]:
+             cpu_s: float, use: str, wall: float, oom_kills: int = 0) -> tuple[str, int | None, str]:
     if not started:
         # nothing of the program ran: whatever went wrong is the sandbox's (or the host's) fault
         why = "timed out" if timed_out else f"exit {rc}"
         return "sandbox_error", None, f"sandbox failed to start ({use}, {why}): {_last_line(stderr) or 'no message'}"
     if timed_out:
         return "timeout", None, f"wall time limit {limits.wall_s:g} s exceeded"
-    sig = -rc if rc < 0 else (rc - 128 if use == "bwrap" and 128 < rc < 128 + 65 else 0)  # bwrap: 128 + signal
+    namespaced = use in ("bwrap", "unshare")  # their pid 1 reports a signal as 128 + signal
+    sig = -rc if rc < 0 else (rc - 128 if namespaced and 128 < rc < 128 + 65 else 0)
     cpu_limit = max(1, math.ceil(cpu_s))
     if sig:
         try:
@@ -437,6 +556,8 @@ def _verdict(started: bool, timed_out: bool, rc: int, cpu_used: float, stderr: s
             return "timeout", -sig, f"cpu time limit {cpu_limit} s exceeded"
         if sig == signal.SIGXFSZ:
             return "error", -sig, f"file size limit {limits.file_mb} MB exceeded ({name})"
+        if sig == signal.SIGKILL and oom_kills:
+            return "memory", -sig, "memory limit of the run's cgroup exceeded (killed)"
         return "killed", -sig, f"killed by {name}"
     if rc == 0:
         return "ok", 0, f"exit 0 in {wall:.2f} s"
