@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from safetensors.torch import load_file
 from transformers import DynamicCache
 
 from recipe.chat import stop_token_ids
 from recipe.model import load_pretrained
 from recipe.rollout import Completion, SamplingParams
+from recipe.weights import read_weights
 
 
 class HFEngine:
@@ -36,8 +36,9 @@ class HFEngine:
         return cls(model, tokenizer, stop_token_ids(tokenizer), batch_size)
 
     def update_weights(self, path, version: int) -> None:
-        """Load the safetensors state dict the trainer published at `path` as policy `version`."""
-        self.model.load_state_dict(load_file(str(path)))
+        """Load the state dict the trainer published at `path` (a safetensors file, or a folder of shards with
+        its index) as policy `version`."""
+        self.model.load_state_dict(read_weights(path))
         self.policy_version = version
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:
