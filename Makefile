@@ -42,6 +42,7 @@ base: data
 	$(RUN) recipe.base $(OVERRIDES)
 sft: base
 	$(RUN) recipe.sft $(OVERRIDES)
+# launcher.num_processes=N > 1: recipe.rl re-runs itself under torchrun, N trainer ranks (docs/architecture.md)
 rl: sft
 	$(RUN) recipe.rl $(OVERRIDES)
 eval: rl

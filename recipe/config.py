@@ -288,6 +288,12 @@ class LauncherConfig:
     # true: the judge nodes are counted among inference_nodes (they serve the judge, not the policy)
     judge_in_inference: bool = False
     health_timeout_s: int = 3600  # the batch script waits this long for every vLLM server's /health
+    # trainer ranks `python -m recipe.rl` starts on this machine (>1: it re-runs itself under torchrun; rank 0
+    # also hosts the orchestrator and the engine client)
+    num_processes: int = 1
+    # how long a rank waits in one collective (e.g. for rank 0 to gather a step's rollouts) before it fails;
+    # a rank that dies is noticed at once (torchrun stops the others), this bounds a rank that hangs
+    collective_timeout_s: int = 1800
 
 
 @dataclass
@@ -433,6 +439,8 @@ RANGES: dict[str, Range] = {
     "launcher.gpus_per_node": AT_LEAST_0,
     "launcher.inference_tp": AT_LEAST_1,
     "launcher.health_timeout_s": AT_LEAST_1,
+    "launcher.num_processes": AT_LEAST_1,
+    "launcher.collective_timeout_s": AT_LEAST_1,
 }
 
 

@@ -5,7 +5,8 @@
 For launcher.kind=slurm it writes <run_root>/<preset>/launch/rl.sbatch, the batch script a user submits with
 sbatch from the repository root: trainer nodes run `accelerate launch -m recipe.rl` (FSDP2), inference nodes run
 one `vllm serve` each (tensor parallel inside a node, data parallel across nodes), judge nodes are held. For
-launcher.kind=local it only prints the one-process plan (`make rl` runs it).
+launcher.kind=local it only prints the plan: one process, or launcher.num_processes ranks under torchrun
+(`make rl` runs it).
 """
 from __future__ import annotations
 
@@ -213,7 +214,12 @@ def describe(cfg, plan: dict, mem: dict | None, tput: dict) -> list[str]:
         ]
     else:
         device = f"{la.gpus_per_node} GPU" if la.gpus_per_node else "CPU"
-        lines.append(f"local: one trainer process on {device}, engine {rl.engine} in a child process")
+        n = la.num_processes
+        if n == 1:
+            lines.append(f"local: one trainer process on {device}, engine {rl.engine} in a child process")
+        else:
+            lines.append(f"local: {n} trainer ranks on {device} under torchrun (FSDP2); rank 0 also runs the "
+                         f"orchestrator and the engine {rl.engine} in a child process")
     if mem is None:
         lines.append(f"memory: n/a ({cfg.model.name}: counted by make base)")
     else:

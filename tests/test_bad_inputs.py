@@ -383,7 +383,7 @@ def damaged_newest_rl_checkpoint(tmp_path):
     opt = CombinedOptimizer([torch.optim.AdamW(model.parameters())])
     for step in (1, 2):
         save_checkpoint(tmp_path, step, model, opt, build_scheduler(opt, 0), {}, keep=2)
-    truncate("optimizer.pt")(tmp_path / "step_000002")
+    truncate("state/__0_0.distcp")(tmp_path / "step_000002")  # the DCP shard of model and optimizer
     assert latest_checkpoint(tmp_path).name == "step_000001"
     return 0
 
@@ -587,8 +587,8 @@ CASES = [
          "error: rl.env_mix names environment(s) ['science'] with no RL rows (the data has ['math'])",
          call=env_mix_without_rows),
     Case("a damaged newest RL checkpoint (a file truncated or missing)", "recipe.rl.trainer.latest_checkpoint "
-         "(make rl)", "rl: skipping checkpoint step_000002: optimizer.pt is not a complete torch.save file (…); "
-         "removed it, resuming from the checkpoint before it", call=damaged_newest_rl_checkpoint, exit=0),
+         "(make rl)", "rl: skipping checkpoint step_000002: state/__0_0.distcp is … bytes, the checkpoint's index needs "
+         "…; removed it, resuming from the checkpoint before it", call=damaged_newest_rl_checkpoint, exit=0),
     Case("an eval prompt longer than the model's context", "recipe.eval.runner.evaluate (make eval)",
          "eval: skipping 1 of 2 problems whose prompt plus max_new_tokens (8) exceeds the model's context (64); "
          "written as skipped to <tmp>/samples.jsonl", call=eval_prompt_longer_than_context, exit=0),

@@ -20,6 +20,7 @@ from recipe.config import load_config
 from recipe.data.schema import message, write_rows
 from recipe.inference.engine import Done
 from recipe.rl import loop
+from recipe.rl.trainer import checkpoint_model_state
 from recipe.rollout import Completion
 from recipe.runs import Stage, stage_dir, write_atomic
 from tests.fakes import save_tiny_qa_model
@@ -131,7 +132,7 @@ def runs(world):
         a1 = run(world, mp, "rl_a", 2)
         stage = world["root"] / "rl_a"
         after_first = {"steps": steps(stage), "ckpt": sorted(p.name for p in (stage / "checkpoints").glob("step_*")),
-                       "model_2": load_file(stage / "checkpoints" / "step_000002" / "model.safetensors"),
+                       "model_2": checkpoint_model_state(stage / "checkpoints" / "step_000002"),
                        "orch_2": json.loads((stage / "checkpoints" / "step_000002" / "orchestrator.json").read_text())}
         a2 = run(world, mp, "rl_a", 4)
         b = run(world, mp, "rl_b", 4)
@@ -189,7 +190,7 @@ def test_the_final_model_loads_with_transformers(runs, world):
     model = AutoModelForCausalLM.from_pretrained(out)
     tok = AutoTokenizer.from_pretrained(out)
     assert len(tok) == len(world["tok"])
-    last = load_file(world["root"] / "rl_a" / "checkpoints" / "step_000004" / "model.safetensors")
+    last = checkpoint_model_state(world["root"] / "rl_a" / "checkpoints" / "step_000004")
     start = AutoModelForCausalLM.from_pretrained(world["start"]).state_dict()
     state = model.state_dict()
     assert all(torch.equal(state[k], last[k]) for k in last)  # the model of the last step

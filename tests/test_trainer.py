@@ -1,11 +1,15 @@
-"""The RL trainer on a tiny random Glm4MoeForCausalLM: optimizers, one step, exact checkpoint round trip."""
+"""The RL trainer on a tiny random Glm4MoeForCausalLM: optimizers, one step, exact checkpoint round trip.
+(Several ranks: tests/test_distributed.py.)"""
+import copy
+
 import torch
-from accelerate import Accelerator
 
 from recipe.config import RLConfig, TinyArch
 from recipe.rl.orchestrator import Sample
-from recipe.rl.trainer import (build_optimizer, build_scheduler, latest_checkpoint, load_checkpoint,
-                               save_checkpoint, train_step)
+from recipe.rl.trainer import (build_optimizer, build_scheduler, checkpoint_model_state, latest_checkpoint,
+                               load_checkpoint, save_checkpoint, train_step)
+
+CPU = torch.device("cpu")
 
 
 class Tok:
@@ -56,23 +60,25 @@ def test_a_step_changes_weights_and_checkpoint_round_trip_is_exact(tmp_path):
         model = tiny_model()
         opt = build_optimizer(model, cfg)
         sch = build_scheduler(opt, cfg.warmup_steps)
-        acc = Accelerator(cpu=True)
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        stats = train_step(model, opt, sch, acc, samples(), cfg, pad_id=1)
+        stats = train_step(model, opt, sch, CPU, samples(), cfg, pad_id=1)
         assert stats["loss_tokens"] == 20 and stats["grad_norm"] > 0
         assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
         root = tmp_path / name
         save_checkpoint(root, 1, model, opt, sch, {"cursor": {"math": 3}}, keep=2)
         # continue one more step in place, and from the checkpoint: the results must match exactly
         torch.manual_seed(123)
-        train_step(model, opt, sch, acc, samples(), cfg, pad_id=1)
+        train_step(model, opt, sch, CPU, samples(), cfg, pad_id=1)
         model2 = tiny_model(seed=9)
         opt2 = build_optimizer(model2, cfg)
         sch2 = build_scheduler(opt2, cfg.warmup_steps)
         step, orch = load_checkpoint(latest_checkpoint(root), model2, opt2, sch2)
         assert step == 1 and orch == {"cursor": {"math": 3}}
+        saved = checkpoint_model_state(root / "step_000001")  # read back alone: the weights after step 1
+        assert saved.keys() == model2.state_dict().keys()
+        assert all(torch.equal(saved[k], v) for k, v in model2.state_dict().items())
         torch.manual_seed(123)
-        train_step(model2, opt2, sch2, acc, samples(), cfg, pad_id=1)
+        train_step(model2, opt2, sch2, CPU, samples(), cfg, pad_id=1)
         for k, v in model.state_dict().items():
             assert torch.allclose(v, model2.state_dict()[k], atol=1e-6), (name, k)
 
@@ -93,22 +99,30 @@ def _truncate(path):
     path.write_bytes(data[:len(data) // 2])
 
 
+DAMAGES = {  # file of the newest checkpoint -> how it is damaged
+    "state/__0_0.distcp": "truncated",  # the DCP shard of model and optimizer
+    "state/.metadata": "truncated",
+    "scheduler.pt": "truncated",
+    "rng_rank0.pt": "removed",
+    "meta.json": "removed",
+}
+
+
 def test_a_damaged_newest_checkpoint_falls_back_to_the_one_before(tmp_path, capsys):
     cfg = RLConfig(optimizer="adamw", lr=1e-3, micro_batch_size=4)
-    acc = Accelerator(cpu=True)
-    for damaged in ("optimizer.pt", "model.safetensors", "meta.json"):
-        root = tmp_path / damaged
+    for damaged, how in DAMAGES.items():
+        root = tmp_path / damaged.replace("/", "_")
         model = tiny_model()
         opt = build_optimizer(model, cfg)
         sch = build_scheduler(opt, 0)
-        train_step(model, opt, sch, acc, samples(), cfg, pad_id=1)
+        train_step(model, opt, sch, CPU, samples(), cfg, pad_id=1)
         save_checkpoint(root, 1, model, opt, sch, {"cursor": {"math": 1}}, keep=3)
         at_1 = {k: v.clone() for k, v in model.state_dict().items()}
-        opt_at_1 = torch.load(root / "step_000001" / "optimizer.pt", weights_only=False)
-        train_step(model, opt, sch, acc, samples(), cfg, pad_id=1)
+        opt_at_1 = copy.deepcopy(opt.state_dict())
+        train_step(model, opt, sch, CPU, samples(), cfg, pad_id=1)
         save_checkpoint(root, 2, model, opt, sch, {"cursor": {"math": 2}}, keep=3)
         newest = root / "step_000002" / damaged
-        _truncate(newest) if damaged != "meta.json" else newest.unlink()
+        _truncate(newest) if how == "truncated" else newest.unlink()
         capsys.readouterr()
         last = latest_checkpoint(root)
         err = capsys.readouterr().err.splitlines()
@@ -131,8 +145,22 @@ def test_no_intact_checkpoint_starts_over_with_one_line(tmp_path, capsys):
     opt = build_optimizer(model, RLConfig())
     sch = build_scheduler(opt, 0)
     save_checkpoint(tmp_path, 1, model, opt, sch, {}, keep=2)
-    _truncate(tmp_path / "step_000001" / "optimizer.pt")
+    _truncate(tmp_path / "step_000001" / "state" / "__0_0.distcp")
     capsys.readouterr()
     assert latest_checkpoint(tmp_path) is None
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 2 and err[1] == f"rl: no intact checkpoint left in {tmp_path}; starting over from step 0"
+
+
+def test_a_checkpoint_of_the_earlier_one_process_format_is_refused_not_removed(tmp_path):
+    import pytest
+
+    from recipe.errors import StageError
+
+    old = tmp_path / "step_000003"
+    old.mkdir()
+    for name in ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "orchestrator.json", "meta.json"):
+        (old / name).write_text("{}")
+    with pytest.raises(StageError, match="earlier version of the recipe"):
+        latest_checkpoint(tmp_path)
+    assert old.exists()

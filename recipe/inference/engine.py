@@ -6,7 +6,8 @@ An asynchronous engine (RL) takes Requests, hands back events, and swaps weights
     poll(timeout) -> Event | None  the next event: Done (finished completions) or Cancelled (requests that
                                    waited past max_off_policy_steps policy versions; the orchestrator
                                    reschedules them); None after timeout. An engine that died raises.
-    update_weights(path, version)  load the safetensors state dict at `path` as policy `version`; completions
+    update_weights(path, version)  load the state dict published at `path` (a safetensors file, or a folder of
+                                   shards with its index: recipe.weights) as policy `version`; completions
                                    finished from then on carry it
     policy_version                 the version of the weights last sent
     close()                        stop the engine and every process it started

@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-from safetensors.torch import load as load_safetensors
 from transformers import DynamicCache
 
 from recipe.chat import stop_token_ids
 from recipe.model import load_pretrained
 from recipe.rollout import Completion, SamplingParams
+from recipe.weights import read_weights
 
 
 class HFEngine:
@@ -36,12 +36,9 @@ class HFEngine:
         return cls(model, tokenizer, stop_token_ids(tokenizer), batch_size)
 
     def update_weights(self, path, version: int) -> None:
-        """Load the safetensors state dict the trainer published at `path` as policy `version`."""
-        # from bytes, not load_file: safetensors 0.8.0's safe_open keeps about two small objects per tensor each
-        # time it opens a file (measured with tracemalloc; safetensors issue 369), which a run that reloads every
-        # step accumulates
-        with open(path, "rb") as f:
-            self.model.load_state_dict(load_safetensors(f.read()))
+        """Load the state dict the trainer published at `path` (a safetensors file, or a folder of shards with
+        its index) as policy `version`."""
+        self.model.load_state_dict(read_weights(path))
         self.policy_version = version
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[Completion]:

@@ -1,8 +1,13 @@
 """The RL trainer: optimizer, one training step on a batch of samples, checkpoints that resume exactly.
 
-Runs under accelerate (one process on CPU; FSDP2 through an accelerate config on GPUs). Muon follows
-prime-rl: torch.optim.Muon on the 2-D weight matrices of the hidden layers, AdamW on everything else
-(embeddings, output head, norms, biases, router, and the 3-D stacked expert weights Muon does not take).
+One process, or FSDP2 over several ranks (recipe.rl.dist): the same step, loss and checkpoints either way. Muon
+follows prime-rl: torch.optim.Muon on the 2-D weight matrices of the hidden layers, AdamW on everything else
+(embeddings, output head, norms, biases, router, and the 3-D stacked expert weights Muon does not take). On
+FSDP2 shards torch.optim.Muon still orthogonalises whole matrices: its DTensor ops gather each one (see
+docs/architecture.md, "Ranks").
+
+Checkpoints are torch.distributed.checkpoint (DCP) folders at any world size, so a run saved by N ranks resumes
+on M: model and optimizer state are keyed by parameter name and DCP reshards them on load.
 """
 from __future__ import annotations
 
@@ -11,14 +16,24 @@ import os
 import random
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.tensor import DTensor
 
 from recipe.config import OptimizerKind
+from recipe.errors import StageError
+from recipe.rl.dist import World
 from recipe.rl.loss import completion_logprobs, masked_is_loss
-from recipe.runs import safetensors_problem, torch_save_problem, write_atomic
+from recipe.runs import torch_save_problem, write_atomic
+from recipe.weights import remove_weights, write_weights
 
 
 class CombinedOptimizer:
@@ -74,20 +89,27 @@ def _pad(seqs: list[list], value) -> torch.Tensor:
     return torch.tensor([list(s) + [value] * (width - len(s)) for s in seqs])
 
 
-def train_step(model, optimizer, schedulers, accelerator, samples, rl_cfg, pad_id: int) -> dict:
-    """One optimizer step on the batch; the loss is normalised by the loss tokens of the whole step."""
+STAT_KEYS = ("loss", "loss_tokens", "masked_low", "masked_high", "masked_sequence_tokens", "masked_sequences",
+             "kept_tokens", "ratio_sum")  # masked_is_loss's stats, summed over micro-batches and ranks
+
+
+def train_step(model, optimizer, schedulers, device, samples, rl_cfg, pad_id: int, world: World = World()) -> dict:
+    """One optimizer step on the batch (this rank's share of it); the loss is normalised by the loss tokens of
+    the whole step, over every rank, so that any number of ranks computes the one-process gradient."""
     model.train()
-    total_tokens = sum(sum(s.loss_mask) for s in samples)
+    total_tokens = world.sum([sum(sum(s.loss_mask) for s in samples)])[0]
     # micro-batches of similar lengths pad less (a tool transcript is twice a one-line answer); the loss is a
     # sum normalised by the step's tokens, so the grouping does not change it
     samples = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
+    batches = [samples[i:i + rl_cfg.micro_batch_size] for i in range(0, len(samples), rl_cfg.micro_batch_size)]
+    # under FSDP2 each forward and backward gathers the layers' shards from every rank, so every rank makes as
+    # many passes as the busiest one; the extra ones add nothing to the gradient
+    idle_passes = world.max(len(batches)) - len(batches)
     totals: dict = {}
-    for start in range(0, len(samples), rl_cfg.micro_batch_size):
-        mb = samples[start:start + rl_cfg.micro_batch_size]
+    for mb in batches:
         input_ids = _pad([s.prompt_ids + s.completion_ids for s in mb], pad_id)
         attention = _pad([[1] * (len(s.prompt_ids) + len(s.completion_ids)) for s in mb], 0)
-        logits = model(input_ids=input_ids.to(accelerator.device),
-                       attention_mask=attention.to(accelerator.device)).logits
+        logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
         # logits at position t predict token t+1: gather each completion's positions into [mb, T_c]
         width = max(len(s.completion_ids) for s in mb)
         index = _pad([list(range(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + len(s.completion_ids)))
@@ -101,15 +123,22 @@ def train_step(model, optimizer, schedulers, accelerator, samples, rl_cfg, pad_i
         advantages = torch.tensor([s.advantage for s in mb], device=logits.device, dtype=torch.float32)
         loss, stats = masked_is_loss(logp_train, logp_infer, advantages, loss_mask, total_tokens,
                                      rl_cfg.mask_ratio_low, rl_cfg.mask_ratio_high, rl_cfg.sequence_mask_low)
-        accelerator.backward(loss)
+        loss.backward()
         stats["loss"] = float(loss.detach())
         for k, v in stats.items():
             totals[k] = totals.get(k, 0) + v
-    grad_norm = accelerator.clip_grad_norm_(model.parameters(), rl_cfg.max_grad_norm)
+    for _ in range(idle_passes):
+        (model(input_ids=torch.full((1, 1), pad_id, device=device)).logits.sum() * 0.0).backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), rl_cfg.max_grad_norm)  # global under FSDP2
+    if isinstance(grad_norm, DTensor):
+        grad_norm = grad_norm.full_tensor()
     optimizer.step()
     optimizer.zero_grad()
     for sch in schedulers:
         sch.step()
+    if world.distributed:  # the step's stats over every rank's share
+        totals = {k: v for k, v in zip(STAT_KEYS, world.sum([totals.get(k, 0) for k in STAT_KEYS]))}
+        totals = {k: v if k in ("loss", "ratio_sum") else int(v) for k, v in totals.items()}
     n = max(totals.get("loss_tokens", 0), 1)
     return {
         "loss": totals.get("loss", 0.0),
@@ -124,42 +153,120 @@ def train_step(model, optimizer, schedulers, accelerator, samples, rl_cfg, pad_i
     }
 
 
+# -- weights -------------------------------------------------------------------------------------------------
+def full_state_dict(model, world: World = World()) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on CPU, on rank 0 (FSDP2: gathered from every rank's shards, a collective;
+    the other ranks get {})."""
+    if not world.distributed:
+        return {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _version_of(path: Path) -> int:
+    return int(path.name.split("_")[1].split(".")[0])
+
+
+def publish_weights(model, weights_dir: Path, version: int, keep: int = 3, world: World = World()) -> Path | None:
+    """Filesystem weight broadcast (as prime-rl's): every rank's shards gathered, written once by rank 0 as
+    safetensors (one file, or a folder of shards with its index for a large model: recipe.weights), atomically.
+    Returns the path on rank 0, None on the others (which have nothing to wait for: rank 0 tells the engines)."""
+    state = full_state_dict(model, world)
+    if not world.main:
+        return None
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    path = write_weights(state, weights_dir / f"policy_{version:06d}.safetensors")  # a full disk: older ones stay
+    for old in sorted(weights_dir.glob("policy_*"), key=_version_of)[:-keep]:
+        remove_weights(old)
+    write_atomic(weights_dir / "LATEST", str(version))
+    return path
+
+
 # -- checkpoints -------------------------------------------------------------------------------------------
-def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, schedulers, orchestrator_state: dict,
-                    keep: int) -> Path:
-    """Write everything needed to resume at `step` into a temporary folder, then rename it into place."""
-    final = ckpt_root / f"step_{step:06d}"
-    tmp = ckpt_root / f".tmp_step_{step:06d}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+STATE_DIR = "state"  # DCP: model and optimizer, one file of shards a rank plus .metadata
+CHECKPOINT_FILES = ("meta.json", "orchestrator.json", "scheduler.pt", f"{STATE_DIR}/.metadata")
+
+
+def _rng_name(rank: int) -> str:
+    return f"rng_rank{rank}.pt"
+
+
+def _dcp(fn, state: dict, folder: Path, world: World) -> None:
+    """dcp.save or dcp.load, over every rank or (one process) without a process group. DCP reports a failure as
+    CheckpointException, a BaseException that holds each rank's error: this rank's (or the first) is raised
+    instead, so a full disk stays an OSError naming its file (recipe.runs.stage_main)."""
     try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()},
-                  tmp / "model.safetensors")
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save([sch.state_dict() for sch in schedulers], tmp / "scheduler.pt")
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
-        (tmp / "orchestrator.json").write_text(json.dumps(orchestrator_state))
-        (tmp / "meta.json").write_text(json.dumps({"step": step}))
-        for f in tmp.iterdir():
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            fn(state, checkpoint_id=str(folder), no_dist=not world.distributed)
+    except CheckpointException as e:
+        failures = e.failures
+        exc, _ = failures.get(world.rank) or next(iter(failures.values()))
+        raise exc from None
+
+
+def _fsync_tree(folder: Path) -> None:
+    for f in folder.rglob("*"):
+        if f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-    except BaseException:  # a full disk: the checkpoints before stay; the half-written one gives its space back
+
+
+def save_checkpoint(ckpt_root: Path, step: int, model, optimizer, schedulers, orchestrator_state: dict,
+                    keep: int, world: World = World()) -> Path:
+    """Write everything needed to resume at `step` into a temporary folder, then rename it into place: model and
+    optimizer through DCP (each rank writes its shards), the RNG of every rank, and from rank 0 the schedulers,
+    the orchestrator's state and meta.json, last. A collective: every rank calls it."""
+    final = ckpt_root / f"step_{step:06d}"
+    tmp = ckpt_root / f".tmp_step_{step:06d}"
+    if world.main:
         shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    world.barrier()  # the folder exists before any rank writes into it
+    try:
+        model_state, optim_state = get_state_dict(model, optimizer.optimizers)
+        _dcp(dcp.save, {"model": model_state, "optimizer": optim_state}, tmp / STATE_DIR, world)
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / _rng_name(world.rank))
+        world.barrier()  # every rank's files are in
+        if world.main:
+            torch.save([sch.state_dict() for sch in schedulers], tmp / "scheduler.pt")
+            (tmp / "orchestrator.json").write_text(json.dumps(orchestrator_state))
+            _fsync_tree(tmp)
+            write_atomic(tmp / "meta.json", json.dumps({"step": step, "world_size": world.size}))
+    except BaseException:  # a full disk: the checkpoints before stay; the half-written one gives its space back
+        if world.main:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    for old in sorted(ckpt_root.glob("step_*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    if world.main:
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in sorted(ckpt_root.glob("step_*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt", "scheduler.pt", "rng.pt", "orchestrator.json", "meta.json")
+def _dcp_problem(folder: Path) -> str | None:
+    """Why a DCP folder is not whole, or None: its .metadata loads, and every shard file it points into exists
+    and is at least as long as the last byte it is said to hold (so a truncated or missing file is caught)."""
+    try:
+        storage = FileSystemReader(str(folder)).read_metadata().storage_data
+    except Exception as e:  # noqa: BLE001 (a torn pickle raises several kinds)
+        return f"{STATE_DIR}/.metadata does not load ({e.__class__.__name__})"
+    ends: dict[str, int] = {}
+    for info in storage.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        f = folder / name
+        if not f.exists():
+            return f"{STATE_DIR}/{name} is missing"
+        if f.stat().st_size < end:
+            return f"{STATE_DIR}/{name} is {f.stat().st_size} bytes, the checkpoint's index needs {end}"
+    return None
 
 
 def checkpoint_problem(path: Path) -> str | None:
     """Why an RL checkpoint folder cannot be resumed from, or None when it is intact: every file save_checkpoint
-    writes is there, the JSON files parse, and the weights and torch.save files are whole (the same size and
-    header checks as SFT's, recipe.runs.safetensors_problem and torch_save_problem)."""
+    writes is there (the RNG file of each rank that saved it included), the JSON files parse, the torch.save
+    files are whole (recipe.runs.torch_save_problem) and so are the DCP shards (_dcp_problem)."""
     for name in CHECKPOINT_FILES:
         if not (path / name).exists():
             return f"{name} is missing"
@@ -168,16 +275,24 @@ def checkpoint_problem(path: Path) -> str | None:
             json.loads((path / name).read_text())
         except ValueError as e:
             return f"{name} does not parse ({e})"
-    return safetensors_problem(path / "model.safetensors") or next(
-        filter(None, (torch_save_problem(path / n) for n in ("optimizer.pt", "scheduler.pt", "rng.pt"))), None)
+    ranks = json.loads((path / "meta.json").read_text()).get("world_size", 1)
+    for name in ["scheduler.pt"] + [_rng_name(r) for r in range(ranks)]:
+        problem = torch_save_problem(path / name)
+        if problem:
+            return problem
+    return _dcp_problem(path / STATE_DIR)
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
     """Newest intact step_N (see checkpoint_problem). A newer one that is not intact (a kill, a full disk) is
     removed, with one line on stderr saying why, so that the run resumes from the one before it; with none left,
-    one line says the run starts over."""
+    one line says the run starts over. Rank 0 alone calls it (it removes folders), and tells the others."""
     ckpts = sorted(ckpt_root.glob("step_*"), reverse=True)
     for p in ckpts:
+        if (p / "model.safetensors").exists() and not (p / STATE_DIR).exists():  # not damaged: of another version
+            raise StageError(f"rl: checkpoint {p} is in the one-process format of an earlier version of the recipe "
+                             f"(model.safetensors, optimizer.pt), which this one does not read: finish that run "
+                             f"with the version that wrote it, or remove {ckpt_root} to start the stage over")
         problem = checkpoint_problem(p)
         if problem is None:
             return p
@@ -189,29 +304,29 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
     return None
 
 
-def load_checkpoint(path: Path, model, optimizer, schedulers) -> tuple[int, dict]:
-    model.load_state_dict(load_file(path / "model.safetensors"))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
-    for sch, state in zip(schedulers, torch.load(path / "scheduler.pt", weights_only=False)):
-        sch.load_state_dict(state)
-    rng = torch.load(path / "rng.pt", weights_only=False)
-    torch.set_rng_state(rng["torch"])
-    random.setstate(rng["python"])
+def load_checkpoint(path: Path, model, optimizer, schedulers, world: World = World()) -> tuple[int, dict]:
+    """Restore model, optimizer, schedulers and this rank's RNG from `path`, saved at any world size (DCP
+    reshards); a rank the saving run did not have keeps the RNG it has. Returns (step, orchestrator state)."""
+    model_state, optim_state = get_state_dict(model, optimizer.optimizers)
+    state = {"model": model_state, "optimizer": optim_state}
+    _dcp(dcp.load, state, path / STATE_DIR, world)
+    set_state_dict(model, optimizer.optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    for sch, sch_state in zip(schedulers, torch.load(path / "scheduler.pt", weights_only=False)):
+        sch.load_state_dict(sch_state)
+    if (path / _rng_name(world.rank)).exists():
+        rng = torch.load(path / _rng_name(world.rank), weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
     return json.loads((path / "meta.json").read_text())["step"], json.loads((path / "orchestrator.json").read_text())
 
 
-def publish_weights(model, weights_dir: Path, version: int, keep: int = 3) -> Path:
-    """Filesystem weight broadcast (as prime-rl's): one safetensors file a policy version, written atomically."""
-    weights_dir.mkdir(parents=True, exist_ok=True)
-    path = weights_dir / f"policy_{version:06d}.safetensors"
-    tmp = weights_dir / f".policy_{version:06d}.tmp"
-    try:
-        save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, tmp)
-    except BaseException:  # a full disk: the versions published before stay
-        tmp.unlink(missing_ok=True)
-        raise
-    os.replace(tmp, path)
-    for old in sorted(weights_dir.glob("policy_*.safetensors"))[:-keep]:
-        old.unlink(missing_ok=True)
-    write_atomic(weights_dir / "LATEST", str(version))
-    return path
+def checkpoint_model_state(path: Path) -> dict[str, torch.Tensor]:
+    """The model's full state dict in a checkpoint, read in this one process (no process group, no model):
+    for tests and for exporting a checkpoint's weights."""
+    meta = FileSystemReader(str(path / STATE_DIR)).read_metadata().state_dict_metadata
+    prefix = "model."
+    model = {k[len(prefix):]: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+             if k.startswith(prefix) and isinstance(m, TensorStorageMetadata)}
+    state = {"model": model}
+    _dcp(dcp.load, state, path / STATE_DIR, World())
+    return state["model"]

@@ -288,7 +288,8 @@ class VLLMEngine:
         return out[0]
 
     def update_weights(self, path, version: int) -> None:
-        """Load the trainer's safetensors state dict at `path` into every server, then drop their prefix caches.
+        """Load the state dict the trainer published at `path` (a safetensors file or a folder of shards,
+        recipe.weights) into every server, then drop their prefix caches.
 
         Requests in flight keep running and finish on the new weights (INTELLECT-3 / prime-rl do the same; the
         token-level importance ratio corrects for it); completions arriving from now on carry `version`.

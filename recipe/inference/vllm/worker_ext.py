@@ -15,7 +15,8 @@ What the reload relies on in vLLM 0.32 (read in vllm-project/vllm):
   repacks every linear weight for oneDNN (dispatch_cpu_unquantized_gemm) and drops the original, and the forward
   pass reads the packed copy.
 - reload_weights can also read a folder (weights_path), but it would take every *.safetensors in it, and the
-  trainer keeps several policy files side by side; so the one file is streamed in through weights_iterator.
+  trainer keeps several policy files side by side; so the one version (a file, or a folder of shards with its
+  index, recipe.weights) is streamed in through weights_iterator.
 - vLLM's loaders expect the tensor names and layout of the model's checkpoint files, not of transformers' module
   (checkpoint_format converts).
 - One step the reload misses: CPU MoE experts are left unpacked (_redo_cpu_expert_packing fills the gap).
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 
-from safetensors import safe_open
+from recipe.weights import iter_weights
 
 EXTENSION_CLS = "recipe.inference.vllm.worker_ext.WeightLoaderExtension"
 RELOAD_METHOD = "load_weights_from_path"
@@ -58,13 +59,6 @@ def checkpoint_format(items):
             yield name, t
 
 
-def _safetensors_items(path: str):
-    """Stream a safetensors file tensor by tensor (each worker of a tensor-parallel server reads it)."""
-    with safe_open(path, framework="pt", device="cpu") as f:
-        for name in f.keys():
-            yield name, f.get_tensor(name)
-
-
 class WeightLoaderExtension:
     """Mixed into every vLLM worker by `--worker-extension-cls`; reached over POST /collective_rpc.
 
@@ -72,7 +66,7 @@ class WeightLoaderExtension:
     """
 
     def load_weights_from_path(self, path: str) -> dict:  # RELOAD_METHOD
-        weights = checkpoint_format(_safetensors_items(str(path)))
+        weights = checkpoint_format(iter_weights(path))  # each worker of a tensor-parallel server reads it
         counted = _Counter(weights)
         context = nullcontext()
         if getattr(self, "vllm_config", None) is not None:
