@@ -181,7 +181,10 @@ def test_two_ranks_take_the_one_process_step_same_loss_same_weights(steps):
     close(*steps["published"], atol=1e-6)
     single, ranks = steps["published"]
     start = read_weights(steps["folder"] / "start" / "model.safetensors")
-    assert any(not torch.equal(single[k], start[k]) for k in start)  # the step moved them
+    # the step moved them (the start folder holds the experts per expert, as save_pretrained writes them, the
+    # published weights fused, as the model holds them: compare the names both have)
+    common = start.keys() & single.keys()
+    assert len(common) > len(start) // 2 and any(not torch.equal(single[k], start[k]) for k in common)
     print(f"2 ranks under torchrun: {steps['ranks_s']:.1f} s")
 
 
