@@ -112,19 +112,21 @@ def soak_section(cfg) -> str:
         return "_No soak yet: run `make soak`._\n"
     prov = b["provenance"]
     out = [f"Reproduce: `{b['command']}`. {b['steps']} RL steps in one run; the resident memory (RSS) of every "
-           f"process sampled every {b['sample_s']:g} s ({b['samples']} samples). Growth = a least-squares line of "
-           "RSS against step after the warm-up (the first fifth of the steps), over the steps it covers; flat = "
-           "growth under 5% of the median or 16 MB. Sandbox runs are short-lived processes: their largest sum "
-           f"at one sample was {b['sandbox_max_mb']:.0f} MB. Commit {_commit(prov)}, "
-           f"{prov['hardware']['cpus']} CPUs, load {b['load_avg_1m_at_end']:.1f} at the end.\n\n",
-           "| process | median MB after warm-up | min MB | max MB | growth MB (steps after warm-up) | flat |\n",
+           f"process sampled every {b['sample_s']:g} s ({b['samples']} samples). RSS rises and falls within a step "
+           "with the work in hand; what a leak raises is the floor, the lowest sample in each 10-step window. "
+           "Growth = a least-squares line of the floor against step after the warm-up (the first fifth of the "
+           "steps), over the steps it covers; flat = growth under 5% of the median floor or 16 MB. Sandbox runs "
+           f"are short-lived processes: their largest sum at one sample was {b['sandbox_max_mb']:.0f} MB. Commit "
+           f"{_commit(prov)}, {prov['hardware']['cpus']} CPUs, load {b['load_avg_1m_at_end']:.1f} at the end.\n\n",
+           "| process | floor MB, first -> last window after warm-up | median MB | peak MB | growth of the floor MB | "
+           "flat |\n",
            "|---|---|---|---|---|---|\n"]
     for r in b["roles"]:
         if r["flat"] is None:
             out.append(f"| {r['role']} | {r['reason']} | | | | |\n")
             continue
-        out.append(f"| {r['role']} | {r['median_mb']:.0f} | {r['min_mb']:.0f} | {r['max_mb']:.0f} | "
-                   f"{r['growth_mb']:+.1f} | {'yes' if r['flat'] else '**no**'} |\n")
+        out.append(f"| {r['role']} | {r['floor_first_mb']:.0f} -> {r['floor_last_mb']:.0f} | {r['median_mb']:.0f} | "
+                   f"{r['max_mb']:.0f} | {r['growth_mb']:+.1f} | {'yes' if r['flat'] else '**no**'} |\n")
     out.append(f"\n![RSS by process]({b['figure']})\n")
     return "".join(out)
 

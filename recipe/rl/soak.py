@@ -4,9 +4,10 @@ Runs rl.soak_steps steps of the RL loop (asynchronous, as `make rl`) from the SF
 runs/<preset>/bench/soak/, while a thread samples RSS every rl.soak_sample_s seconds: the stage's own process
 (trainer and orchestrator), the engine process, and the short-lived sandbox processes summed as one role.
 After a warm-up (the first fifth of the steps: allocator pools, the engine's caches and the optimizer state fill
-up), a least-squares line of RSS against step gives each role's growth over the rest of the run; a role is flat
-when that growth is under FLAT_SHARE of its median RSS after warm-up (or under FLAT_MB, whichever is larger:
-a few MB of allocator noise is not a leak). Writes soak.json, rss.jsonl, and a figure that RESULTS.md shows.
+up), each role's floor (its lowest RSS in each window of WINDOW_STEPS steps: what it keeps between bursts of
+work) is fitted with a least-squares line against step; a role is flat when the line rises by less than
+FLAT_SHARE of its median floor over the rest of the run (or FLAT_MB, whichever is larger: a few MB of
+allocator noise is not a leak). Writes soak.json, rss.jsonl, and a figure that RESULTS.md shows.
 """
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from recipe.runs import provenance, require_done, stage_dir, stage_main, write_a
 WARMUP_SHARE = 0.2
 FLAT_SHARE = 0.05
 FLAT_MB = 16.0
+WINDOW_STEPS = 10
 MB = 1 << 20
 
 
@@ -101,21 +103,32 @@ class RSSSampler:
 
 
 def summarize(rows: list[dict], steps: int, role: str) -> dict:
-    """Growth of one role's RSS after warm-up: least-squares slope against step, times the steps it covers."""
+    """Growth of one role's retained memory after warm-up.
+
+    RSS rises and falls within a step with the work in hand (a batch's activations, the engine's KV cache,
+    whose size follows the completions' lengths), so its median follows the workload. What a leak raises is the
+    floor: the lowest sample of each window of WINDOW_STEPS steps. A least-squares line of that floor against
+    step, times the steps it covers, is the growth."""
     warm = max(1, int(steps * WARMUP_SHARE))
     pts = [(r["step"], r["rss_mb"][role]) for r in rows if r["step"] >= warm and role in r["rss_mb"]]
-    if len(pts) < 3 or len({s for s, _ in pts}) < 2:
+    windows: dict[int, list[tuple[int, float]]] = {}
+    for s, v in pts:
+        windows.setdefault((s - warm) // WINDOW_STEPS, []).append((s, v))
+    floor = [(statistics.fmean(s for s, _ in w), min(v for _, v in w)) for _, w in sorted(windows.items())]
+    if len(floor) < 3:
         return {"role": role, "samples": len(pts), "flat": None, "reason": "too few samples after warm-up"}
-    xs, ys = [s for s, _ in pts], [v for _, v in pts]
+    xs, ys = [s for s, _ in floor], [v for _, v in floor]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x in xs)
-    span = max(xs) - min(xs)
-    growth = slope * span
-    median = statistics.median(ys)
-    bound = max(FLAT_SHARE * median, FLAT_MB)
-    return {"role": role, "samples": len(pts), "warmup_steps": warm, "median_mb": median,
-            "min_mb": min(ys), "max_mb": max(ys), "slope_mb_per_100_steps": slope * 100,
-            "growth_mb": growth, "bound_mb": bound, "flat": abs(growth) <= bound}
+    slope = sum((x - mx) * (y - my) for x, y in floor) / sum((x - mx) ** 2 for x in xs)
+    growth = slope * (max(xs) - min(xs))
+    median_floor = statistics.median(ys)
+    bound = max(FLAT_SHARE * median_floor, FLAT_MB)
+    values = [v for _, v in pts]
+    return {"role": role, "samples": len(pts), "windows": len(floor), "warmup_steps": warm,
+            "floor_first_mb": ys[0], "floor_last_mb": ys[-1], "median_floor_mb": median_floor,
+            "median_mb": statistics.median(values), "max_mb": max(values),
+            "slope_mb_per_100_steps": slope * 100, "growth_mb": growth, "bound_mb": bound,
+            "flat": growth <= bound}
 
 
 def write_figure(rows: list[dict], png: Path, warm: int) -> None:
@@ -164,8 +177,9 @@ def run_soak(cfg, start_model: Path, out: Path, figure: Path) -> dict:
         if r["flat"] is None:
             print(f"soak: {r['role']}: {r['reason']}")
         else:
-            print(f"soak: {r['role']}: median {r['median_mb']:.0f} MB after warm-up, growth {r['growth_mb']:+.1f} MB "
-                  f"over steps {warm}-{steps} (bound {r['bound_mb']:.0f} MB): {'flat' if r['flat'] else 'GROWING'}")
+            print(f"soak: {r['role']}: floor {r['floor_first_mb']:.0f} -> {r['floor_last_mb']:.0f} MB after warm-up "
+                  f"(median {r['median_mb']:.0f}, peak {r['max_mb']:.0f}); growth {r['growth_mb']:+.1f} MB over "
+                  f"steps {warm}-{steps} (bound {r['bound_mb']:.0f} MB): {'flat' if r['flat'] else 'GROWING'}")
     return {"steps": steps, "sample_s": cfg.rl.soak_sample_s, "samples": len(rows), "roles": roles,
             "sandbox_max_mb": max(sandbox, default=0.0), "sandbox_samples": len(sandbox),
             "flat": all(r["flat"] for r in roles), "load_avg_1m_at_end": os.getloadavg()[0]}
