@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -71,6 +72,15 @@ def write_atomic(path: Path, data: bytes | str) -> None:
         raise
 
 
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 def release_free_memory() -> None:
     """Hand memory the process has freed back to the OS (glibc's malloc_trim; a no-op elsewhere).
 
@@ -78,18 +88,9 @@ def release_free_memory() -> None:
     file read for the engine). glibc keeps freed chunks in its heap, where the next step's buffers of other
     sizes fragment it, so RSS creeps up although nothing leaks; trimming after each step keeps it flat (`make
     soak` measures it)."""
-    global _libc
-    if _libc is None:
-        try:
-            _libc = ctypes.CDLL("libc.so.6")
-            _libc.malloc_trim  # noqa: B018 (musl and macOS have no malloc_trim)
-        except (OSError, AttributeError):
-            _libc = False
-    if _libc:
-        _libc.malloc_trim(0)
-
-
-_libc = None
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def safetensors_problem(path: Path) -> str | None:

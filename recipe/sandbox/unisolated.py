@@ -21,21 +21,25 @@ def _empty(dir_fd: int, as_root: bool) -> None:
     may have swapped any name for a link while it ran. Only without root are permissions put back, and only on
     an entry of this folder that is not a link (fchmodat, not following): root needs none."""
     for entry in os.scandir(dir_fd):
-        try:
-            if entry.is_dir(follow_symlinks=False):
-                if not as_root:
-                    os.chmod(entry.name, 0o700, dir_fd=dir_fd, follow_symlinks=False)
-                fd = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
-                try:
-                    _empty(fd, as_root)
-                finally:
-                    os.close(fd)
-                os.rmdir(entry.name, dir_fd=dir_fd)
-            else:
-                os.unlink(entry.name, dir_fd=dir_fd)
-        except OSError:
-            pass
+        _remove_entry(entry, dir_fd, as_root)
 
+
+def _remove_entry(entry: os.DirEntry, dir_fd: int, as_root: bool) -> None:
+    """Remove one entry of the folder open as dir_fd (a folder with what it holds), never following a link."""
+    try:
+        if entry.is_dir(follow_symlinks=False):
+            if not as_root:
+                os.chmod(entry.name, 0o700, dir_fd=dir_fd, follow_symlinks=False)
+            fd = os.open(entry.name, _DIR_FLAGS, dir_fd=dir_fd)
+            try:
+                _empty(fd, as_root)
+            finally:
+                os.close(fd)
+            os.rmdir(entry.name, dir_fd=dir_fd)
+        else:
+            os.unlink(entry.name, dir_fd=dir_fd)
+    except OSError:
+        pass
 
 class Workdir:
     """The rlimit backend's cwd: <tmp>/recipe-sandbox-*/ (the host's, 0711) holding home/ (the run's uid's, 0700).
@@ -88,17 +92,8 @@ def remove_files_of(uid: int) -> None:
         try:
             for entry in os.scandir(fd):
                 try:
-                    if entry.stat(follow_symlinks=False).st_uid != uid:
-                        continue
-                    if entry.is_dir(follow_symlinks=False):
-                        sub = os.open(entry.name, _DIR_FLAGS, dir_fd=fd)
-                        try:
-                            _empty(sub, True)
-                        finally:
-                            os.close(sub)
-                        os.rmdir(entry.name, dir_fd=fd)
-                    else:
-                        os.unlink(entry.name, dir_fd=fd)
+                    if entry.stat(follow_symlinks=False).st_uid == uid:
+                        _remove_entry(entry, fd, as_root=True)
                 except OSError:
                     pass
         finally:
