@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from recipe.config import load_config
+from recipe.launch import roles
 from recipe.rl import __main__ as rl_main
 from recipe.rl.dist import World, sample_tokens, split_by_tokens
 from recipe.rl.orchestrator import Sample
@@ -267,7 +268,7 @@ def test_relaunch_runs_the_stage_under_torchrun_after_its_own_checks(tmp_path, m
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
     execs = []
-    monkeypatch.setattr(rl_main.os, "execve", lambda path, cmd, e: execs.append((path, cmd, e)))
+    monkeypatch.setattr(roles.os, "execve", lambda path, cmd, e: execs.append((path, cmd, e)))
     with pytest.raises(SystemExit) as e:  # no finished sft stage: the usual one line, and nothing started
         rl_main.main(args)
     assert e.value.code == 2 and "stage 'sft' has not finished" in capsys.readouterr().err and not execs

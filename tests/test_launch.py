@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from recipe.config import ConfigError, load_config
-from recipe.launch import launch, memory_estimate, placement, throughput
+from recipe.launch.plan import launch, memory_estimate, placement, throughput
 
 REPO = Path(__file__).parent.parent
 

@@ -12,6 +12,7 @@ LAYERS = [
     ["recipe.errors"],
     ["recipe.config"],
     ["recipe.runs"],
+    ["recipe.launch.roles"],
     ["recipe.chat", "recipe.hub", "recipe.sandbox", "recipe.weights"],
     ["recipe.envs", "recipe.model"],
     ["recipe.rollout"],

@@ -7,40 +7,15 @@ train; they take no lock and write only their checkpoint shards.
 """
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-from recipe.rl.dist import World, close_world, init_world, launched
+from recipe.launch.roles import launched, relaunch
+from recipe.rl.dist import World, close_world, init_world
 from recipe.rl.loop import run_rl
 from recipe.runs import Stage, require_done, stage_main
 
 REQUIRES = ("sft", "data")
-
-
-def torchrun_command(num_processes: int, argv: list[str]) -> list[str]:
-    """The command that starts `num_processes` ranks of this stage on this machine with the same overrides."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={num_processes}",
-            "-m", "recipe.rl", *argv]
-
-
-def relaunch(cfg, argv: list[str]) -> None:
-    """Replace this process with torchrun (same pid: a signal to it reaches the agent, which passes it on to every
-    rank). The stage's refusals (a held folder, a missing upstream stage) and a finished stage are answered here
-    first, with their usual line and exit code; rank 0 checks them again under the lock it then holds."""
-    stage = Stage(cfg, "rl")
-    with stage.locked():
-        if stage.is_done():
-            print(f"rl: already done ({stage.dir}); nothing to do")
-            return
-        for name in REQUIRES:
-            require_done(cfg, name, by="rl")
-    cmd = torchrun_command(cfg.launcher.num_processes, argv)
-    # torchrun would set it to 1 with a banner; the ranks set their torch threads from rl.train_threads anyway
-    env = {**os.environ, "OMP_NUM_THREADS": str(cfg.rl.train_threads)}
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, cmd, env)
 
 
 def lead(cfg, world: World) -> None:
@@ -72,7 +47,7 @@ def follow(cfg, world: World) -> None:
 
 def run(cfg, argv: list[str]) -> None:
     if cfg.launcher.num_processes > 1 and not launched():
-        return relaunch(cfg, argv)
+        return relaunch(cfg, "rl", REQUIRES, "recipe.rl", argv, cfg.rl.train_threads)
     world = init_world(cfg.launcher.collective_timeout_s)
     try:
         (lead if world.main else follow)(cfg, world)

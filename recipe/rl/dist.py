@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from recipe.launch.roles import launched
+
 
 @dataclass(frozen=True)
 class World:
@@ -69,11 +71,6 @@ class World:
     def any(self, flag: bool) -> bool:
         """Whether any rank's flag is set: every rank takes the same decision (e.g. to stop after this step)."""
         return bool(self.max(int(flag)))
-
-
-def launched() -> bool:
-    """Whether a launcher (torchrun, accelerate launch) started this process as one rank of several."""
-    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def init_world(timeout_s: float) -> World:

@@ -255,7 +255,3 @@ def main(argv=None):
     # stage_main turns config errors into one line; the raw overrides are kept for the trainer's command line
     argv = sys.argv[1:] if argv is None else list(argv)
     return stage_main(lambda cfg: launch(cfg, argv))(argv)
-
-
-if __name__ == "__main__":
-    main()
