@@ -196,6 +196,16 @@ class TrainConfig:
 
 
 @dataclass
+class JudgeConfig:
+    """The LLM judge of the verifiers (INTELLECT-3: CompassVerifier-7B), served by a 1-node job of its own."""
+    hub_id: Optional[str] = None  # null: no judge
+    revision: Optional[str] = None
+    data_parallel: int = 8
+    tensor_parallel: int = 1
+    port: int = 8000
+
+
+@dataclass
 class RLConfig:
     max_steps: int = 40
     batch_size: int = 16  # prompts (groups) a step
@@ -225,6 +235,9 @@ class RLConfig:
     soak_steps: int = 200  # steps of `make soak` (RL with the memory of every process sampled)
     soak_sample_s: float = 1.0  # seconds between two memory samples of `make soak`
     pin_cores: bool = True  # hf engine on core 1, trainer on core 0: generation and training on separate cores
+    # online filter: drop groups whose rewards are all equal (no signal). prime-rl's production run had none
+    # (its buffer filter is commented out at PR 1272): such groups stay in the batch with advantage 0
+    online_filter: bool = True
     # offline filter on rows' precomputed pass rate (the difficulty column of hub data); null = off
     max_pass_rate: Optional[float] = None
     # vllm engine (GPU presets)
@@ -232,6 +245,7 @@ class RLConfig:
     vllm_gpu_memory_utilization: float = 0.5
     vllm_tensor_parallel_size: int = 1
     vllm_extra_args: List[str] = field(default_factory=list)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     seed: int = 0
 
 
@@ -276,24 +290,27 @@ class EvalConfig:
 @dataclass
 class LauncherConfig:
     kind: LauncherKind = LauncherKind.local
+    # slurm: the RL job's nodes, trainer_nodes + inference_nodes exactly (the judge is a job of its own)
     nodes: int = 1
     trainer_nodes: int = 1
-    inference_nodes: int = 0
-    judge_nodes: int = 0
-    gpus_per_node: int = 0
+    inference_nodes: int = 0  # one policy server a node (vLLM; the hf stand-in on CPU)
+    judge_nodes: int = 0  # the LLM judge's own job (rl.judge), beside the RL job
+    gpus_per_node: int = 0  # 0: CPU nodes, launcher.num_processes trainer ranks a node
     inference_tp: int = 1
     accelerate_config: Optional[str] = None
     partition: Optional[str] = None
     time_limit: str = "48:00:00"
-    # true: the judge nodes are counted among inference_nodes (they serve the judge, not the policy)
-    judge_in_inference: bool = False
-    health_timeout_s: int = 3600  # the batch script waits this long for every vLLM server's /health
+    health_timeout_s: int = 3600  # the batch script waits this long for every policy server's /health
     # trainer ranks `python -m recipe.rl` starts on this machine (>1: it re-runs itself under torchrun; rank 0
-    # also hosts the orchestrator and the engine client)
+    # also hosts the orchestrator and the engine client); on SLURM CPU nodes, the ranks of each trainer node
     num_processes: int = 1
     # how long a rank waits in one collective (e.g. for rank 0 to gather a step's rollouts) before it fails;
     # a rank that dies is noticed at once (torchrun stops the others), this bounds a rank that hangs
     collective_timeout_s: int = 1800
+    # FSDP2 as HSDP: the trainer ranks form this many replicas, each sharding the model over its ranks
+    # (prime-rl's --model.dp-replicate); 1: plain full sharding over every rank
+    hsdp_replicas: int = 1
+    master_port: int = 29500  # the trainer ranks' rendezvous on the first trainer node (SLURM)
 
 
 @dataclass
@@ -441,6 +458,11 @@ RANGES: dict[str, Range] = {
     "launcher.health_timeout_s": AT_LEAST_1,
     "launcher.num_processes": AT_LEAST_1,
     "launcher.collective_timeout_s": AT_LEAST_1,
+    "launcher.hsdp_replicas": AT_LEAST_1,
+    "launcher.master_port": AT_LEAST_1,
+    "rl.judge.data_parallel": AT_LEAST_1,
+    "rl.judge.tensor_parallel": AT_LEAST_1,
+    "rl.judge.port": AT_LEAST_1,
 }
 
 

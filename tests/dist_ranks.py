@@ -19,7 +19,7 @@ from recipe.config import RLConfig  # noqa: E402
 from recipe.envs.base import RewardResult  # noqa: E402
 from recipe.envs.math import MathEnv  # noqa: E402
 from recipe.model import load_pretrained  # noqa: E402
-from recipe.rl.dist import World, close_world, init_world, shard_model, split_by_tokens  # noqa: E402
+from recipe.rl.dist import World, close_world, init_world, load_sharded, split_by_tokens  # noqa: E402
 from recipe.rl.orchestrator import Sample  # noqa: E402
 from recipe.rl.trainer import (build_optimizer, build_scheduler, full_state_dict, load_checkpoint,  # noqa: E402
                                publish_weights, save_checkpoint, train_step)
@@ -48,10 +48,8 @@ def batches(vocab: int) -> list[list[Sample]]:
     return out
 
 
-def trainer(start: Path, optimizer: str, world: World):
-    model, tok = load_pretrained(str(start))
-    if world.distributed:
-        shard_model(model)
+def trainer(start: Path, optimizer: str, world: World, replicas: int = 1):
+    model, tok = load_sharded(start, world, replicas, "float32", "sdpa")
     cfg = RLConfig(optimizer=optimizer, **RL_CFG)
     opt = build_optimizer(model, cfg)
     return model, opt, build_scheduler(opt, cfg.warmup_steps), cfg, tok
@@ -68,8 +66,19 @@ def steps_mode(folder: Path) -> None:
     world = init_world(120)
     out = folder / "ranks"
     start = folder / "start"
+    import recipe.rl.dist as rl_dist
+
+    loads = []  # whether each load_pretrained call of this rank read the weights
+
+    def recorded(*args, weights=True, **kwargs):
+        loads.append(weights)
+        return load_pretrained(*args, weights=weights, **kwargs)
+
+    rl_dist.load_pretrained = recorded
     try:
         model, opt, sch, cfg, tok = trainer(start, "adamw", world)
+        (out / f"loads_rank{world.rank}.json").parent.mkdir(parents=True, exist_ok=True)
+        (out / f"loads_rank{world.rank}.json").write_text(json.dumps(loads))
         a, b = batches(len(tok))
         stats = step(model, opt, sch, cfg, a, world, tok.pad_token_id)
         publish_weights(model, out / "weights", 1, world=world)
@@ -84,9 +93,14 @@ def steps_mode(folder: Path) -> None:
         model, opt, sch, cfg, _ = trainer(start, "muon", world)
         step(model, opt, sch, cfg, a, world, tok.pad_token_id)
         muon = full_state_dict(model, world)
+        # HSDP: 2 replicas of 1 shard each (prime-rl's 2-way replication, at the smallest size)
+        model, opt, sch, cfg, _ = trainer(start, "adamw", world, replicas=2)
+        step(model, opt, sch, cfg, a, world, tok.pad_token_id)
+        hsdp = full_state_dict(model, world)
         if world.main:
             (out / "stats.json").write_text(json.dumps(stats))
-            torch.save({"after_b": after_b, "resumed_from_single": resumed, "resumed_step": at, "muon": muon},
+            torch.save({"after_b": after_b, "resumed_from_single": resumed, "resumed_step": at, "muon": muon,
+                        "hsdp": hsdp},
                        out / "states.pt")
     finally:
         close_world(world)

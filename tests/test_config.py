@@ -11,7 +11,8 @@ PRESETS = sorted(p.stem for p in (CONFIG_DIR / "preset").glob("*.yaml"))
 
 # -- every file of the config tree is used, and composes -------------------------------------------------
 NOT_HYDRA = {"accelerate"}  # folders under configs/ that are not hydra groups (accelerate's own files)
-OVERRIDE_ONLY: set[str] = set()  # group files no preset selects, kept for `group=name` overrides ("rl/name")
+# group files no preset selects, kept for `group=name` overrides ("rl/name")
+OVERRIDE_ONLY: set[str] = {"launcher/slurm_cpu"}  # SLURM on CPU nodes: tests/test_slurm_standin.py
 
 
 def hydra_groups(config_dir: Path) -> list[str]:

@@ -181,6 +181,11 @@ def test_two_ranks_take_the_one_process_step_same_loss_same_weights(steps):
     # the published weights are the updated weights: both runs publish the same, within 1e-6 (fp32)
     close(*steps["published"], atol=1e-6)
     single, ranks = steps["published"]
+    close(single, steps["ranks"]["hsdp"], atol=1e-6)  # HSDP, 2 replicas: the same step
+    # rank 0 alone read the weights; rank 1 built the model on the meta device and received its shards
+    ranks_dir = steps["folder"] / "ranks"
+    assert json.loads((ranks_dir / "loads_rank0.json").read_text()) == [False, True]
+    assert json.loads((ranks_dir / "loads_rank1.json").read_text()) == [False]
     start = read_weights(steps["folder"] / "start" / "model.safetensors")
     # the step moved them (the start folder holds the experts per expert, as save_pretrained writes them, the
     # published weights fused, as the model holds them: compare the names both have)
@@ -263,25 +268,37 @@ def records(rl_dir: Path) -> list[int]:
     return [json.loads(x)["step"] for x in (rl_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+class FakeTorchrun:
+    """What relaunch starts, recorded instead of run."""
+    started: list = []
+
+    def __init__(self, cmd, env, preexec_fn):
+        self.started.append((cmd, env, preexec_fn))
+
+    def wait(self):
+        return 0
+
+
 def test_relaunch_runs_the_stage_under_torchrun_after_its_own_checks(tmp_path, monkeypatch, capsys):
     args = [f"run_root={tmp_path}", "launcher.num_processes=2", *RL_ARGS]
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    execs = []
-    monkeypatch.setattr(roles.os, "execve", lambda path, cmd, e: execs.append((path, cmd, e)))
+    monkeypatch.setattr(roles.subprocess, "Popen", FakeTorchrun)
+    FakeTorchrun.started = []
     with pytest.raises(SystemExit) as e:  # no finished sft stage: the usual one line, and nothing started
         rl_main.main(args)
-    assert e.value.code == 2 and "stage 'sft' has not finished" in capsys.readouterr().err and not execs
+    assert e.value.code == 2 and "stage 'sft' has not finished" in capsys.readouterr().err
+    assert not FakeTorchrun.started
     prepared_root(tmp_path, args)
     rl_main.main(args)
-    (path, cmd, e), = execs
-    assert path == sys.executable and cmd == [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                              "--nproc-per-node=2", "-m", "recipe.rl", *args]
-    assert e["OMP_NUM_THREADS"] == "1"
+    (cmd, e, preexec), = FakeTorchrun.started
+    assert cmd == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                   "recipe.rl", *args]
+    assert e["OMP_NUM_THREADS"] == "1" and preexec is not None  # torchrun gets SIGTERM if this process dies
     with pytest.raises(StageError):  # the folder held by another run: refused before any rank starts
         with Stage(load_config(args), "rl").locked():
             rl_main.run(load_config(args), args)
-    assert len(execs) == 1
+    assert len(FakeTorchrun.started) == 1
 
 
 def start_time(pid: int) -> str | None:
@@ -432,14 +449,18 @@ def test_rl_on_two_ranks_writes_from_rank_0_only_and_its_checkpoint_resumes_on_o
 
 
 @pytest.mark.slow
-def test_sigterm_to_torchrun_stops_both_ranks_after_checkpointing_the_same_step(tmp_path):
+def test_sigterm_to_the_stage_stops_both_ranks_after_checkpointing_the_same_step_and_exits_143(tmp_path):
+    """`python -m recipe.rl launcher.num_processes=2` (the stage runs torchrun as its child): SIGTERM to it reaches
+    every rank, each stops after the same step with one checkpoint of it, and the stage exits 143, as in one
+    process. No online filter: the random test model rarely answers right, and a flat group still makes a step."""
     args = [f"run_root={tmp_path}", "launcher.num_processes=2", "rl.max_steps=1000", "rl.checkpoint_every=1000",
-            *RL_ARGS]
+            *RL_ARGS, "rl.online_filter=false"]
     prepared_root(tmp_path, args)
     rl_dir = stage_dir(load_config(args), "rl")
     seen: dict[int, str] = {}
     with open(tmp_path / "log", "w") as out:
-        proc = subprocess.Popen(torchrun("rl", *args), cwd=ROOT, env=env(), stdout=out, stderr=out)
+        proc = subprocess.Popen([sys.executable, "-m", "recipe.rl", *args], cwd=ROOT, env=env(), stdout=out,
+                                stderr=out)
         try:
             deadline = time.time() + 300
             while time.time() < deadline and proc.poll() is None:
@@ -449,7 +470,8 @@ def test_sigterm_to_torchrun_stops_both_ranks_after_checkpointing_the_same_step(
                 time.sleep(0.05)
             assert proc.poll() is None, (tmp_path / "log").read_text()[-4000:]
             seen.update(descendants(proc.pid))
-            proc.send_signal(signal.SIGTERM)  # torchrun's agent passes it on to each rank once
+            assert {rank_of(p) for p in seen} - {None} == {0, 1}  # both ranks were running
+            proc.send_signal(signal.SIGTERM)
             rc = proc.wait(timeout=120)
         finally:
             if proc.poll() is None:
@@ -465,6 +487,6 @@ def test_sigterm_to_torchrun_stops_both_ranks_after_checkpointing_the_same_step(
         f"(step {n})", f"rl: stopped by SIGTERM; rank 1 stopped with rank 0 after step {n}"]), log[-3000:]
     assert json.loads((rl_dir / "checkpoints" / f"step_{n:06d}" / "meta.json").read_text()) == \
         {"step": n, "world_size": 2}  # checkpoint_every=1000: the signal's checkpoint, by both ranks
-    assert rc != 0  # (torchrun's own exit code for a signal it passed on: 1, with its SignalException)
+    assert rc == 143, log[-3000:]
     time.sleep(1)
     assert not [p for p, t in seen.items() if alive(p, t)]

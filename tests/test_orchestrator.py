@@ -50,6 +50,17 @@ def test_advantages_are_reward_minus_group_mean_and_flat_groups_are_dropped():
     assert stats["filtered_all_correct"] >= 1 and stats["filtered_groups"] == stats["filtered_all_correct"]
 
 
+def test_without_the_online_filter_flat_groups_stay_with_advantage_zero():
+    # prime-rl's production run: no online filter; a flat group trains with advantage 0 and counts its tokens
+    eng = ScriptedEngine(answer_by_index(lambda i: {0} if i % 2 == 0 else {0, 1, 2, 3}))
+    orch = Orchestrator(math_rows(), CharTokenizer(), rl_cfg(online_filter=False, batch_size=4), eng, seed=0)
+    samples, stats = orch.next_batch(0)
+    assert len(samples) == 4 * 4 and stats["filtered_groups"] == 0 and orch.filter_rate == 0.0
+    flat = [s for s in samples if int(problem(s)[1:]) % 2]
+    assert flat and all(s.advantage == 0.0 for s in flat) and stats["groups_without_signal"] >= len(flat) // 4
+    assert sorted(s.advantage for s in samples if s not in flat) == [-0.25] * 6 + [0.75] * 2
+
+
 def test_sync_level_submits_nothing_ahead_async_level_keeps_next_batch_in_flight():
     fn = answer_by_index(lambda i: {0})
     sync_eng, async_eng = ScriptedEngine(fn, batch=4), ScriptedEngine(fn, batch=4)

@@ -164,3 +164,30 @@ def test_a_checkpoint_of_the_earlier_one_process_format_is_refused_not_removed(t
     with pytest.raises(StageError, match="earlier version of the recipe"):
         latest_checkpoint(tmp_path)
     assert old.exists()
+
+
+def test_bf16_compute_keeps_float32_master_weights_that_a_tiny_lr_still_moves(tmp_path):
+    """The real presets compute in bf16 with lr 1e-6: held in bf16 the weights would not move (an update below
+    half a bf16 step rounds away); load_sharded keeps them float32 and runs the forward in bf16."""
+    from recipe.rl.dist import World, load_sharded
+    from recipe.weights import read_weights
+    from recipe.rl.trainer import publish_weights
+    from tests.fakes import save_tiny_qa_model
+
+    save_tiny_qa_model(tmp_path / "start")
+    model, tok = load_sharded(tmp_path / "start", World(), 1, "bfloat16", "sdpa")
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert model(input_ids=torch.tensor([[3, 4, 5]])).logits.dtype == torch.bfloat16  # the forward: bf16
+    cfg = RLConfig(optimizer="adamw", lr=1e-6, weight_decay=0.0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = build_optimizer(model, cfg)
+    batch = [Sample([5, 6, 7], [8 + i, 9, 10], [-5.0] * 3, [1] * 3, 1.0 if i % 2 else -1.0, 0.0, 0, "math")
+             for i in range(4)]
+    train_step(model, opt, build_scheduler(opt, 0), CPU, batch, cfg, tok.pad_token_id)
+    after = model.state_dict()
+    total = sum(v.numel() for v in before.values())
+    moved = sum((after[k] != before[k]).sum().item() for k in before) / total
+    moved_in_bf16 = sum((after[k].bfloat16() != before[k].bfloat16()).sum().item() for k in before) / total
+    assert moved > 0.5 and moved_in_bf16 < 0.05, (moved, moved_in_bf16)  # bf16 weights would keep 95% unmoved
+    published = read_weights(publish_weights(model, tmp_path / "weights", 1, dtype=torch.bfloat16))
+    assert {v.dtype for v in published.values() if v.is_floating_point()} == {torch.bfloat16}  # engines: bf16

@@ -1,12 +1,13 @@
-"""Dry run of the RL stage's launch: resolve placement, memory and throughput, print the plan, start nothing.
+"""Dry run of the launch: resolve placement, memory and throughput, print the plan, start nothing.
 
     python -m recipe.launch preset=intellect3 [overrides]     (or: make plan PRESET=intellect3)
 
-For launcher.kind=slurm it writes <run_root>/<preset>/launch/rl.sbatch, the batch script a user submits with
-sbatch from the repository root: trainer nodes run `accelerate launch -m recipe.rl` (FSDP2), inference nodes run
-one `vllm serve` each (tensor parallel inside a node, data parallel across nodes), judge nodes are held. For
-launcher.kind=local it only prints the plan: one process, or launcher.num_processes ranks under torchrun
-(`make rl` runs it).
+For launcher.kind=slurm it renders the batch scripts from recipe/launch/templates (Jinja2) into
+<run_root>/<preset>/launch/: rl.sbatch (trainer nodes run torchrun -m recipe.rl, the first of them also the
+orchestrator; each policy node runs one server: `vllm serve` on GPUs, the hf engine's server on CPU), sft.sbatch
+(torchrun -m recipe.sft on the trainer nodes) and judge.sbatch (the LLM judge, a 1-node job of its own). The
+trainer command is roles.torchrun_on_nodes, the one `make rl` / `make sft` run on one machine
+(roles.torchrun_command) with the node's rank added. For launcher.kind=local it only prints the plan.
 """
 from __future__ import annotations
 
@@ -15,10 +16,13 @@ import shlex
 import sys
 from pathlib import Path
 
+import jinja2
+
 from recipe.config import OptimizerKind
 from recipe.errors import ConfigError
 from recipe.eval.benchmarks import validate_benchmarks
 from recipe.inference.vllm import server_command, server_env
+from recipe.launch.roles import INFERENCE_URLS_ENV, torchrun_on_nodes
 from recipe.runs import stage_dir, stage_main, write_atomic
 
 GIB = 2 ** 30
@@ -29,48 +33,50 @@ SERVER_HOST = "0.0.0.0"  # the trainer reaches the servers from other nodes
 SERVER_PYTHON = "python"  # the job's environment (sbatch passes on the submitting shell's), not this machine's
 
 
+def hf_server_command(model_path, cfg, host, python):  # TEMP until the serve branch lands
+    return [python, "-m", "recipe.inference.serve", str(model_path), "--host", host, "--port", str(cfg.rl.vllm_port)]
+
+
 # -- placement ---------------------------------------------------------------------------------------------
+def ranks_per_node(cfg) -> int:
+    """Trainer ranks on each trainer node: one a GPU, or launcher.num_processes on CPU nodes."""
+    la = cfg.launcher
+    return la.gpus_per_node if la.gpus_per_node > 0 else la.num_processes
+
+
 def placement(cfg) -> dict:
     """Node and GPU counts of the RL stage; a launcher that does not add up is a ConfigError naming fields."""
     la = cfg.launcher
-    judge_extra = 0 if la.judge_in_inference else la.judge_nodes
-    policy = la.inference_nodes - (la.judge_nodes if la.judge_in_inference else 0)
-    used = la.trainer_nodes + la.inference_nodes + judge_extra
     if la.kind == "slurm":
-        _check_slurm(cfg, used, policy)
+        _check_slurm(cfg)
     gpus = max(la.gpus_per_node, 0)
+    trainer_ranks = la.trainer_nodes * ranks_per_node(cfg) if la.kind == "slurm" else la.num_processes
     return {
-        "kind": la.kind, "nodes": la.nodes, "gpus_per_node": gpus, "used_nodes": used,
-        "trainer_nodes": la.trainer_nodes, "inference_nodes": la.inference_nodes, "policy_nodes": policy,
-        "judge_nodes": la.judge_nodes, "judge_in_inference": la.judge_in_inference,
-        "trainer_gpus": la.trainer_nodes * gpus, "total_gpus": la.nodes * gpus,
+        "kind": la.kind, "nodes": la.nodes, "gpus_per_node": gpus, "trainer_nodes": la.trainer_nodes, "inference_nodes": la.inference_nodes,
+        "policy_nodes": la.inference_nodes, "judge_nodes": la.judge_nodes, "trainer_ranks": trainer_ranks,
+        "trainer_gpus": la.trainer_nodes * gpus, "total_gpus": (la.nodes + la.judge_nodes) * gpus,
     }
 
 
-def _check_slurm(cfg, used: int, policy: int) -> None:
+def _check_slurm(cfg) -> None:
     la, rl = cfg.launcher, cfg.rl
     problems = []
-    if used > la.nodes:
-        judge = "" if la.judge_in_inference else " + launcher.judge_nodes"
-        problems.append(f"launcher.trainer_nodes + launcher.inference_nodes{judge} = {used} > launcher.nodes = "
-                        f"{la.nodes}")
-    if la.trainer_nodes < 1 or la.gpus_per_node < 1:
-        problems.append("launcher.trainer_nodes and launcher.gpus_per_node must be >= 1")
-    if policy < 1:
-        problems.append(f"no node left for a policy vLLM server (launcher.inference_nodes = {la.inference_nodes}, "
-                        f"launcher.judge_nodes = {la.judge_nodes}, launcher.judge_in_inference = true)")
-    if la.judge_in_inference and la.judge_nodes > la.inference_nodes:
-        problems.append("launcher.judge_nodes > launcher.inference_nodes with launcher.judge_in_inference")
-    if not 1 <= la.inference_tp <= la.gpus_per_node:
+    if la.trainer_nodes + la.inference_nodes != la.nodes:
+        problems.append(f"launcher.trainer_nodes + launcher.inference_nodes = {la.trainer_nodes + la.inference_nodes}"
+                        f" != launcher.nodes = {la.nodes} (the RL job's nodes; the judge is a job of its own)")
+    if la.inference_nodes < 1:
+        problems.append("launcher.inference_nodes must be >= 1 (a policy server a node)")
+    ranks = la.trainer_nodes * ranks_per_node(cfg)
+    if ranks % la.hsdp_replicas:
+        problems.append(f"launcher.hsdp_replicas = {la.hsdp_replicas} does not divide the {ranks} trainer ranks")
+    if la.gpus_per_node > 0 and not 1 <= la.inference_tp <= la.gpus_per_node:
         problems.append(f"launcher.inference_tp = {la.inference_tp} must be in 1..launcher.gpus_per_node")
     # server_command reads the TP from rl; the two must agree or the plan would lie about the servers
-    if la.inference_tp != rl.vllm_tensor_parallel_size:
+    if rl.engine == "vllm" and la.inference_tp != rl.vllm_tensor_parallel_size:
         problems.append(f"launcher.inference_tp = {la.inference_tp} != rl.vllm_tensor_parallel_size = "
                         f"{rl.vllm_tensor_parallel_size}")
-    if rl.engine != "vllm":
-        problems.append(f"launcher.kind = slurm needs rl.engine = vllm (got {rl.engine})")
-    if not la.accelerate_config:
-        problems.append("launcher.kind = slurm needs launcher.accelerate_config")
+    if rl.engine == "vllm" and la.gpus_per_node < 1:
+        problems.append("rl.engine = vllm on SLURM needs launcher.gpus_per_node >= 1 (rl.engine = hf serves on CPU)")
     if problems:
         raise ConfigError("launcher placement does not fit: " + "; ".join(problems))
 
@@ -113,87 +119,75 @@ def throughput(cfg, plan: dict) -> dict:
     return out
 
 
-# -- the SLURM batch script ----------------------------------------------------------------------------------
+# -- the SLURM batch scripts ---------------------------------------------------------------------------------
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+HEALTH_POLL_S = 2
+JUDGE_URL_FILE = "judge_url"
+
+
 def trainer_overrides(cfg, overrides: list[str]) -> list[str]:
     """The run's own overrides, with the resolved preset first (a second preset= would be ambiguous)."""
     return [f"preset={cfg.preset}"] + [o for o in overrides if not o.lstrip("+~").startswith("preset=")]
 
 
-def sbatch_script(cfg, plan: dict, overrides: list[str]) -> str:
+def _render(name: str, **values) -> str:
+    # bash's ${#array[@]} holds Jinja's comment opener: comments are spelled <#-- --#> here instead
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, comment_start_string="<#--", comment_end_string="--#>")
+    env.filters["q"] = lambda v: shlex.quote(str(v))
+    return env.get_template(name).render(**values)
+
+
+def policy_server(cfg, model_path) -> tuple[list[str], dict, str]:
+    """(command, environment, kind) of the policy server a policy node runs: `vllm serve` on GPU nodes, the hf
+    engine behind the same HTTP endpoints on CPU nodes (rl.engine=hf)."""
+    if cfg.rl.engine == "vllm":
+        cmd = server_command(model_path, cfg, host=SERVER_HOST, python=SERVER_PYTHON)
+        # the server's environment, but PYTHONPATH is the repository root on the cluster, not this machine's
+        env = {k: v for k, v in server_env(base={}, cuda=True).items() if k != "PYTHONPATH"}
+        return cmd, env, f"vLLM, TP {cfg.launcher.inference_tp}"
+    return hf_server_command(model_path, cfg, host=SERVER_HOST, python=SERVER_PYTHON), {}, "hf engine server, CPU"
+
+
+def _common(cfg, plan: dict) -> dict:
     la = cfg.launcher
     launch_dir = stage_dir(cfg, "launch")
-    n, gpn = plan["used_nodes"], la.gpus_per_node
-    t, p, j = plan["trainer_nodes"], plan["policy_nodes"], plan["judge_nodes"]
-    serve = server_command(stage_dir(cfg, "sft") / "model", cfg, host=SERVER_HOST, python=SERVER_PYTHON)
-    accelerate = ["accelerate", "launch", "--config_file", la.accelerate_config, "--num_machines", str(t),
-                  "--num_processes", str(t * gpn)]
-    # $SLURM_NODEID is the node's index inside the trainer step; expanded on each node, not here
-    trainer_cmd = (" ".join(shlex.quote(a) for a in accelerate)
-                   + ' --machine_rank "$SLURM_NODEID" --main_process_ip "$MAIN_PROCESS_IP" -m recipe.rl '
-                   + " ".join(shlex.quote(o) for o in trainer_overrides(cfg, overrides)))
-    # the server's environment, but PYTHONPATH is the repository root on the cluster, not this machine's
-    env = {k: v for k, v in server_env(base={}, cuda=True).items() if k != "PYTHONPATH"}
-    q = shlex.quote
-    header = [
-        "#!/bin/bash",
-        f"#SBATCH --job-name=recipe-rl-{cfg.preset}",
-        f"#SBATCH --nodes={n}",
-        "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --gpus-per-node={gpn}",
-        f"#SBATCH --time={la.time_limit}",
-        *([f"#SBATCH --partition={la.partition}"] if la.partition else []),
-        f"#SBATCH --output={launch_dir}/rl-%j.out",
-        f"# RL stage of preset {cfg.preset}, written by `python -m recipe.launch`. Submit from the repository",
-        f"# root with the project's environment active:  sbatch {launch_dir}/rl.sbatch",
-        f"# Nodes in allocation order: {t} trainer, {p} policy vLLM servers (TP {la.inference_tp}), {j} judge.",
-        "set -euo pipefail",
-        'cd "$SLURM_SUBMIT_DIR"  # every path below is relative to the repository root',
-        f"LOG_DIR={q(str(launch_dir))}",
-        'mkdir -p "$LOG_DIR"',
-        "",
-        'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
-        f'if (( ${{#NODES[@]}} < {n} )); then echo "need {n} nodes, got ${{#NODES[@]}}" >&2; exit 1; fi',
-        f'TRAINER_NODES=("${{NODES[@]:0:{t}}}")',
-        f'POLICY_NODES=("${{NODES[@]:{t}:{p}}}")',
-        f'JUDGE_NODES=("${{NODES[@]:{t + p}:{j}}}")',
-        'MAIN_PROCESS_IP="${TRAINER_NODES[0]}"',
-        'export MAIN_PROCESS_IP',
-        'echo "trainer: ${TRAINER_NODES[*]}"; echo "policy: ${POLICY_NODES[*]}"; echo "judge: ${JUDGE_NODES[*]:-}"',
-        "# The judge (an LLM verifier, docs/recipe.md) has no server in this recipe yet: its nodes are held idle.",
-        "",
-        "# One vLLM server a node: tensor parallel inside it, data parallel across nodes.",
-        *[f"export {k}={q(v)}" for k, v in sorted(env.items())],
-        'export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # vLLM workers import the recipe\'s weight loader',
-        "SERVER_PIDS=()",
-        "URLS=()",
-        'for node in "${POLICY_NODES[@]}"; do',
-        f'  srun --nodes=1 --ntasks=1 --gpus-per-node={gpn} -w "$node" \\',
-        f'    {" ".join(q(a) for a in serve)} \\',
-        '    > "$LOG_DIR/vllm-$node.log" 2>&1 &',
-        "  SERVER_PIDS+=($!)",
-        f'  URLS+=("http://$node:{cfg.rl.vllm_port}")',
-        "done",
-        "trap 'kill \"${SERVER_PIDS[@]}\" 2>/dev/null || true' EXIT",
-        'RECIPE_VLLM_URLS=$(IFS=,; echo "${URLS[*]}")',
-        "export RECIPE_VLLM_URLS  # the trainer's orchestrator spreads requests over these servers",
-        "",
-        f"deadline=$((SECONDS + {la.health_timeout_s}))",
-        'for i in "${!URLS[@]}"; do',
-        '  until curl -sf "${URLS[$i]}/health" > /dev/null; do',
-        '    if ! kill -0 "${SERVER_PIDS[$i]}" 2>/dev/null; then',
-        '      echo "vLLM server ${URLS[$i]} exited; see $LOG_DIR" >&2; exit 1; fi',
-        '    if (( SECONDS > deadline )); then',
-        '      echo "vLLM server ${URLS[$i]} not healthy in time; see $LOG_DIR" >&2; exit 1; fi',
-        "    sleep 10",
-        "  done",
-        "done",
-        "",
-        "# The trainer: one accelerate launcher a node, FSDP2 over every trainer GPU.",
-        'TRAINER_LIST=$(IFS=,; echo "${TRAINER_NODES[*]}")',
-        f'srun --nodes={t} --ntasks={t} --ntasks-per-node=1 --gpus-per-node={gpn} -w "$TRAINER_LIST" \\',
-        f"  bash -c {q('exec ' + trainer_cmd)}",
-    ]
-    return "\n".join(header) + "\n"
+    return {"preset": cfg.preset, "gpus_per_node": la.gpus_per_node, "time_limit": la.time_limit,
+            "partition": la.partition, "launch_dir": launch_dir, "trainer_nodes": plan["trainer_nodes"],
+            "ranks_per_node": ranks_per_node(cfg), "python": SERVER_PYTHON,
+            "judge_url_file": launch_dir / JUDGE_URL_FILE}
+
+
+def rl_script(cfg, plan: dict, overrides: list[str], judge_script: Path | None) -> str:
+    la = cfg.launcher
+    cmd, env, kind = policy_server(cfg, stage_dir(cfg, "sft") / "model")
+    trainer = torchrun_on_nodes("recipe.rl", la.trainer_nodes, ranks_per_node(cfg), la.master_port,
+                                trainer_overrides(cfg, overrides), python=SERVER_PYTHON)
+    hsdp = f", HSDP {la.hsdp_replicas} replicas" if la.hsdp_replicas > 1 else ""
+    return _render("rl.sbatch.j2", **_common(cfg, plan), nodes=plan["nodes"], policy_nodes=plan["policy_nodes"],
+                   server_kind=kind, server_cmd=" ".join(shlex.quote(a) for a in cmd), server_env=sorted(env.items()),
+                   server_port=cfg.rl.vllm_port, health_timeout_s=la.health_timeout_s, health_poll_s=HEALTH_POLL_S,
+                   trainer_cmd=trainer, hsdp=hsdp, judge_script=judge_script, urls_env=INFERENCE_URLS_ENV)
+
+
+def sft_script(cfg, plan: dict, overrides: list[str]) -> str:
+    la = cfg.launcher
+    trainer = torchrun_on_nodes("recipe.sft", la.trainer_nodes, ranks_per_node(cfg), la.master_port,
+                                trainer_overrides(cfg, overrides), python=SERVER_PYTHON)
+    return _render("sft.sbatch.j2", **_common(cfg, plan), trainer_cmd=trainer)
+
+
+def judge_script(cfg, plan: dict) -> str:
+    j = cfg.rl.judge
+    cmd = [SERVER_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", j.hub_id, "--revision", j.revision,
+           "--host", SERVER_HOST, "--port", str(j.port), "--data-parallel-size", str(j.data_parallel),
+           "--tensor-parallel-size", str(j.tensor_parallel)]
+    return _render("judge.sbatch.j2", **_common(cfg, plan), judge_model=j.hub_id, judge_revision=j.revision,
+                   judge_port=j.port, judge_cmd=" ".join(shlex.quote(a) for a in cmd))
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 # -- printing ------------------------------------------------------------------------------------------------
@@ -201,16 +195,21 @@ def describe(cfg, plan: dict, mem: dict | None, tput: dict) -> list[str]:
     la, rl = cfg.launcher, cfg.rl
     lines = [f"preset {cfg.preset}: RL stage, launcher {la.kind} (dry run: nothing is started)"]
     if la.kind == "slurm":
-        judge = ("counted among the inference nodes (unverified placement)" if la.judge_in_inference
-                 else "on nodes of their own")
+        hsdp = f", HSDP: {la.hsdp_replicas} replicas" if la.hsdp_replicas > 1 else ""
+        device = f"{la.gpus_per_node} GPUs" if la.gpus_per_node else "CPU"
+        j = rl.judge
+        judge = (f"judge: a 1-node job of its own, {j.hub_id} (vLLM, DP {j.data_parallel}, TP {j.tensor_parallel})"
+                 if la.judge_nodes and j.hub_id else "judge: none")
         lines += [
-            f"nodes: {plan['used_nodes']} used of launcher.nodes {la.nodes}, {la.gpus_per_node} GPUs each, "
-            f"{plan['total_gpus']} GPUs in all",
-            f"trainer: {plan['trainer_nodes']} nodes, {plan['trainer_gpus']} GPUs (accelerate FSDP2, "
-            f"{la.accelerate_config})",
-            f"inference: {plan['inference_nodes']} nodes; {plan['policy_nodes']} policy vLLM servers, TP "
-            f"{la.inference_tp} a node, data parallel across nodes, port {rl.vllm_port}",
-            f"judge: {plan['judge_nodes']} nodes, {judge}",
+            f"nodes: {plan['nodes']} in the RL job" + (f" + {plan['judge_nodes']} in the judge's job" if j.hub_id else "")
+            + f", {device} each"
+            + (f", {plan['total_gpus']} GPUs in all" if la.gpus_per_node else ""),
+            f"trainer: {plural(plan['trainer_nodes'], 'node')}, {plural(plan['trainer_ranks'], 'rank')} under torchrun "
+            f"(FSDP2{hsdp}); "
+            f"rank 0 also runs the orchestrator",
+            f"inference: {plural(plan['policy_nodes'], 'policy server')}, one a node ({policy_server(cfg, 'model')[2]}), data "
+            f"parallel across nodes, port {rl.vllm_port}",
+            judge,
         ]
     else:
         device = f"{la.gpus_per_node} GPU" if la.gpus_per_node else "CPU"
@@ -235,20 +234,42 @@ def describe(cfg, plan: dict, mem: dict | None, tput: dict) -> list[str]:
     return lines
 
 
-def launch(cfg, overrides: list[str]) -> Path | None:
+def write_scripts(cfg, plan: dict, overrides: list[str]) -> tuple[list[Path], list[str]]:
+    """The SLURM batch scripts of a slurm launcher (judge first, when there is one to write), and lines to print."""
+    launch_dir = stage_dir(cfg, "launch")
+    written, lines = [], []
+    judge = None
+    j = cfg.rl.judge
+    if cfg.launcher.judge_nodes and j.hub_id:
+        if j.revision:
+            judge = launch_dir / "judge.sbatch"
+            write_atomic(judge, judge_script(cfg, plan))
+            written.append(judge)
+        else:  # every hub reference is pinned: no script serves an unpinned model
+            lines.append(f"judge: no script written: rl.judge.revision is not set (pin {j.hub_id} to a commit)")
+    for name, text in (("rl.sbatch", rl_script(cfg, plan, overrides, judge)), ("sft.sbatch",
+                                                                              sft_script(cfg, plan, overrides))):
+        write_atomic(launch_dir / name, text)
+        written.append(launch_dir / name)
+    lines += [f"wrote {p}" for p in written]
+    lines.append("submit: " + " && ".join(f"sbatch {p}" for p in written if p.name != "sft.sbatch")
+                 + f"   (SFT: sbatch {launch_dir / 'sft.sbatch'})")
+    return written, lines
+
+
+def launch(cfg, overrides: list[str]) -> list[Path]:
     validate_benchmarks(cfg.eval)
     plan = placement(cfg)
     lines = describe(cfg, plan, memory_estimate(cfg, plan), throughput(cfg, plan))
-    script = None
+    written = []
     if cfg.launcher.kind == "slurm":
-        script = stage_dir(cfg, "launch") / "rl.sbatch"
-        write_atomic(script, sbatch_script(cfg, plan, overrides))
-        lines += [f"wrote {script}", f"submit: sbatch {script}"]
+        written, more = write_scripts(cfg, plan, overrides)
+        lines += more
     else:  # local: `make rl` runs it; nothing to write
         lines.append("run: " + " ".join(["python", "-m", "recipe.rl",
                                          *map(shlex.quote, trainer_overrides(cfg, overrides))]))
     print("\n".join(lines))
-    return script
+    return written
 
 
 def main(argv=None):

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (AutoModelForCausalLM, AutoTokenizer, Glm4MoeConfig, Glm4MoeForCausalLM,
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Glm4MoeConfig, Glm4MoeForCausalLM,
                           PreTrainedTokenizerFast)
 
 from recipe import hub
@@ -73,8 +73,10 @@ def check_model_folder(folder: Path) -> None:
 
 
 def load_pretrained(path_or_id: str, revision: str | None = None, dtype: str = "float32",
-                    attn_implementation: str = "sdpa"):
-    """Load model and tokenizer from a local folder, or from the hub at a pinned revision (clear error offline)."""
+                    attn_implementation: str = "sdpa", weights: bool = True):
+    """Load model and tokenizer from a local folder, or from the hub at a pinned revision (clear error offline).
+    weights=False: the model is built from its config on the meta device (no memory, no weights read), for a
+    trainer rank that receives its shards from rank 0 (recipe.rl.dist.load_sharded)."""
     local = Path(path_or_id).exists()
     kwargs = {}
     if local:
@@ -90,8 +92,14 @@ def load_pretrained(path_or_id: str, revision: str | None = None, dtype: str = "
     try:
         tokenizer = AutoTokenizer.from_pretrained(path_or_id, **kwargs)
         what = "model"
-        model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=getattr(torch, dtype),
-                                                     attn_implementation=attn_implementation, **kwargs)
+        if weights:
+            model = AutoModelForCausalLM.from_pretrained(path_or_id, dtype=getattr(torch, dtype),
+                                                         attn_implementation=attn_implementation, **kwargs)
+        else:
+            config = AutoConfig.from_pretrained(path_or_id, **kwargs)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype),
+                                                         attn_implementation=attn_implementation)
     except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as e:  # a damaged or foreign file
         where = "the local folder" if local else (f"the local HF cache at revision {revision} (offline mode is on; "
                                                   f"{hub.HOWTO})" if hub.offline() else f"the hub at revision {revision}")

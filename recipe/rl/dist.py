@@ -14,9 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from recipe.errors import ConfigError
 from recipe.launch.roles import launched
+from recipe.model import load_pretrained
 
 
 @dataclass(frozen=True)
@@ -117,15 +121,61 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(model.model.layers)
 
 
-def shard_model(model) -> None:
+def shard_model(model, world: World, replicas: int = 1, compute_dtype: torch.dtype = torch.float32) -> None:
     """FSDP2 over every rank: each decoder layer is a unit of its own (gathered for its forward and backward
-    only), the root holds the rest (embeddings, final norm, head). Gradients are summed over ranks, not averaged
-    (FSDP2's default): each rank's loss is already its tokens' share of the step's global mean
-    (recipe.rl.trainer.train_step), so the sum is the one-process gradient."""
+    only), the root holds the rest (embeddings, final norm, head). replicas > 1 is HSDP, as prime-rl runs
+    INTELLECT-3: the ranks form `replicas` groups, each holding one whole sharded copy, and gradients are reduced
+    over the groups as well. Gradients are summed over ranks, not averaged (FSDP2's default): each rank's loss is
+    already its tokens' share of the step's global mean (recipe.rl.trainer.train_step), so the sum is the
+    one-process gradient. A compute dtype below float32 (bf16) is FSDP2's mixed precision: the shards (the master
+    weights the optimizer updates) stay float32, each layer is gathered in bf16 for its forward and backward, and
+    gradients are reduced in float32."""
+    if world.size % replicas:
+        raise ConfigError(f"launcher.hsdp_replicas = {replicas} does not divide the {world.size} trainer ranks")
+    mesh = init_device_mesh(world.device.type, (replicas, world.size // replicas),
+                            mesh_dim_names=("replicate", "shard")) if replicas > 1 else None
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) \
+        if compute_dtype != torch.float32 else MixedPrecisionPolicy()
     for layer in decoder_layers(model):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
+
+
+def load_sharded(path, world: World, replicas: int, dtype: str, attn_implementation: str):
+    """(model, tokenizer) for training on this rank, its parameters float32 whatever `dtype` (the model's compute
+    dtype, bf16 for the real presets): they are the master weights the optimizer updates, as in prime-rl. In bf16 a
+    step of lr 1e-6 would round away on most weights (bf16 keeps 8 bits of mantissa). Forward and backward run in
+    `dtype`: FSDP2's mixed precision on ranks (shard_model), autocast in one process.
+
+    One process: the model, loaded and moved to the device. Several ranks: every rank builds the model on the meta
+    device and shards it; rank 0 alone reads the weights and sends each rank its shards (set_model_state_dict with
+    broadcast_from_rank0), so no rank but rank 0 ever holds the whole model (106B parameters would not fit a GPU,
+    nor 8 copies a node's memory). The non-persistent buffers (the rotary frequencies) are not in a state dict:
+    rank 0's are broadcast as well."""
+    compute = getattr(torch, dtype)
+    master = "float32"
+    if not world.distributed:
+        model, tokenizer = load_pretrained(str(path), dtype=master, attn_implementation=attn_implementation)
+        model.to(world.device)
+        if compute != torch.float32:
+            model.forward = torch.autocast(world.device.type, dtype=compute)(model.forward)
+        return model, tokenizer
+    model, tokenizer = load_pretrained(str(path), dtype=master, attn_implementation=attn_implementation,
+                                       weights=False)
+    source = load_pretrained(str(path), dtype=master, attn_implementation=attn_implementation)[0] if world.main \
+        else None
+    shard_model(model, world, replicas, compute)
+    model.to_empty(device=world.device)
+    full = source.state_dict() if world.main else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    source_buffers = dict(source.named_buffers()) if world.main else {}
+    for name, buf in model.named_buffers():
+        value = source_buffers[name].to(world.device) if world.main else torch.empty_like(buf)
+        dist.broadcast(value, src=0)
+        buf.copy_(value)
+    del source, full
+    return model, tokenizer

@@ -21,8 +21,8 @@ from recipe.config import EngineKind
 from recipe.data.schema import read_split
 from recipe.inference.vllm import VLLMEngine
 from recipe.inference.worker import HFEngineProcess
-from recipe.model import load_pretrained
-from recipe.rl.dist import World, shard_model, split_by_tokens
+from recipe.launch.roles import INFERENCE_URLS_ENV
+from recipe.rl.dist import World, load_sharded, split_by_tokens
 from recipe.rl.orchestrator import Orchestrator
 from recipe.rl.trainer import (build_optimizer, build_scheduler, full_state_dict, latest_checkpoint,
                                load_checkpoint, publish_weights, save_checkpoint, train_step)
@@ -31,15 +31,17 @@ from recipe.sandbox.runner import run_on_cores
 
 
 def make_engine(cfg, model_path, version: int, log_dir):
-    """The engine the orchestrator drives: the hf engine in a process of its own, or vLLM server(s)."""
+    """The engine the orchestrator drives: the policy servers a SLURM job started (RECIPE_INFERENCE_URLS: vLLM, or
+    the hf engine's server on CPU nodes, both spoken to over vLLM's HTTP API), else one of its own: the hf engine
+    in a process of its own, or a vLLM server."""
     rl = cfg.rl
+    urls = os.environ.get(INFERENCE_URLS_ENV)
+    if urls:
+        return VLLMEngine(str(model_path), cfg, version=version, launch=False, base_url=urls)
     if rl.engine == EngineKind.hf:
         cpu = 1 if rl.pin_cores and (os.cpu_count() or 1) > 1 else None
         return HFEngineProcess(str(model_path), threads=rl.gen_threads, batch_size=rl.gen_batch_size,
                                max_off_policy_steps=rl.max_off_policy_steps, version=version, cpu=cpu)
-    urls = os.environ.get("RECIPE_VLLM_URLS")  # servers the SLURM launcher started on inference nodes
-    if urls:
-        return VLLMEngine(str(model_path), cfg, version=version, launch=False, base_url=urls)
     return VLLMEngine(str(model_path), cfg, version=version, log_path=log_dir / "vllm_server.log")
 
 
@@ -67,11 +69,9 @@ def run_rl(cfg, stage_dir, start_model, world: World = World()):
 
 def _rl_loop(cfg, stage_dir, start_model, world: World):
     rl = cfg.rl
-    model, tokenizer = load_pretrained(str(start_model), dtype=cfg.model.dtype,
-                                       attn_implementation=cfg.model.attn_implementation)
-    model.to(world.device)
-    if world.distributed:
-        shard_model(model)
+    model, tokenizer = load_sharded(start_model, world, cfg.launcher.hsdp_replicas, cfg.model.dtype,
+                                    cfg.model.attn_implementation)
+    compute = getattr(torch, cfg.model.dtype)  # the engines' and the forward's dtype; the parameters are float32
     optimizer = build_optimizer(model, rl)  # after sharding: under FSDP2 the parameters are the sharded ones
     schedulers = build_scheduler(optimizer, rl.warmup_steps)
     ckpt_root, weights_dir = stage_dir / "checkpoints", stage_dir / "weights"
@@ -87,7 +87,7 @@ def _rl_loop(cfg, stage_dir, start_model, world: World):
     orch = None
 
     def publish(version: int) -> None:  # every rank gives its shards; rank 0 writes and tells the engine
-        path = publish_weights(model, weights_dir, version, world=world)
+        path = publish_weights(model, weights_dir, version, world=world, dtype=compute)
         if world.main:
             engine.update_weights(path, version)
 
@@ -154,12 +154,10 @@ def _rl_loop(cfg, stage_dir, start_model, world: World):
         if engine is not None:
             engine.close()
     out = stage_dir / "model"
-    if not world.distributed:
-        model.save_pretrained(str(out))
-    else:  # the shards gathered; rank 0 writes the folder transformers loads
-        state = full_state_dict(model, world)
-        if world.main:
-            model.save_pretrained(str(out), state_dict=state)
+    state = full_state_dict(model, world, compute)  # (several ranks: the shards gathered, on rank 0)
+    if world.main:  # in the model's dtype, as it came in: the float32 master weights were the trainer's
+        model.config.dtype = compute
+        model.save_pretrained(str(out), state_dict=state)
     if world.main:
         tokenizer.save_pretrained(str(out))
     return out

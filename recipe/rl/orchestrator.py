@@ -6,8 +6,9 @@
 - Every completion carries the policy version that wrote it. The batch for trainer step s only takes groups
   written by version >= s - max_async_level; older ones are dropped and counted as stale.
   max_async_level=0 is the synchronous baseline: nothing is submitted ahead of the weights it must use.
-- Filters: offline, rows whose precomputed pass rate is above max_pass_rate never enter; online, groups whose
-  rewards are all equal (all 0 or all 1) carry no signal and are dropped.
+- Filters: offline, rows whose precomputed pass rate is above max_pass_rate never enter; online (rl.online_filter),
+  groups whose rewards are all equal (all 0 or all 1) carry no signal and are dropped. Without the online filter
+  (prime-rl's production run) such a group stays in the batch: advantage 0, its tokens in the loss's count.
 - Prompts that do not fit the model's context (prompt tokens + max_new_tokens > max_position_embeddings, given
   as `context`) never enter either: they are counted and left out at start, with one line. A multi-turn sample
   whose next turn would not fit ends there, truncated (recipe.rollout.next_reply), and is counted.
@@ -274,8 +275,11 @@ class Orchestrator:
             group.masked.append(res.masked)
         judged = [r for r, m in zip(group.rewards, group.masked) if not m]
         flat = len(set(judged)) <= 1
-        self.filter_rate = 0.9 * self.filter_rate + 0.1 * flat  # running share of groups filtered out
-        if flat:  # no signal: every sample got the same reward
+        if flat:
+            self.counters["groups_without_signal"] += 1
+        drop = flat and self.cfg.online_filter
+        self.filter_rate = 0.9 * self.filter_rate + 0.1 * drop  # running share of groups filtered out
+        if drop:  # no signal: every sample got the same reward
             self.counters["filtered_all_correct" if judged and judged[0] >= 1 else "filtered_all_wrong"] += 1
             self.counters["rollouts_filtered"] += len(group.rewards)
             self._last_filtered.append(group)
@@ -403,6 +407,7 @@ class Orchestrator:
             "filtered_groups": delta["filtered_all_correct"] + delta["filtered_all_wrong"],
             "filtered_all_correct": delta["filtered_all_correct"],
             "filtered_all_wrong": delta["filtered_all_wrong"],
+            "groups_without_signal": delta["groups_without_signal"],  # filtered or (no online filter) kept
             "stale_groups": delta["groups_stale"],
             "cancelled_requests": delta["requests_cancelled"],
             "reward_errors": delta["reward_errors"],

@@ -154,23 +154,30 @@ def train_step(model, optimizer, schedulers, device, samples, rl_cfg, pad_id: in
 
 
 # -- weights -------------------------------------------------------------------------------------------------
-def full_state_dict(model, world: World = World()) -> dict[str, torch.Tensor]:
+def full_state_dict(model, world: World = World(), dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The whole model's state dict on CPU, on rank 0 (FSDP2: gathered from every rank's shards, a collective;
-    the other ranks get {})."""
+    the other ranks get {}); floating tensors cast to `dtype` if given (the float32 master weights to the model's
+    compute dtype, as the engines and the final model folder hold them)."""
     if not world.distributed:
-        return {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    else:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dtype is not None:
+        state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    return state
 
 
 def _version_of(path: Path) -> int:
     return int(path.name.split("_")[1].split(".")[0])
 
 
-def publish_weights(model, weights_dir: Path, version: int, keep: int = 3, world: World = World()) -> Path | None:
+def publish_weights(model, weights_dir: Path, version: int, keep: int = 3, world: World = World(),
+                    dtype: torch.dtype | None = None) -> Path | None:
     """Filesystem weight broadcast (as prime-rl's): every rank's shards gathered, written once by rank 0 as
     safetensors (one file, or a folder of shards with its index for a large model: recipe.weights), atomically.
-    Returns the path on rank 0, None on the others (which have nothing to wait for: rank 0 tells the engines)."""
-    state = full_state_dict(model, world)
+    Returns the path on rank 0, None on the others (which have nothing to wait for: rank 0 tells the engines).
+    `dtype`: the engines' (the model's compute dtype), not the float32 master weights'."""
+    state = full_state_dict(model, world, dtype)
     if not world.main:
         return None
     weights_dir.mkdir(parents=True, exist_ok=True)
