@@ -112,6 +112,22 @@ class TinyArch:
 
 
 @dataclass
+class Glm4MoeArch(TinyArch):
+    """A hub model's Glm4MoeForCausalLM architecture, the values of its config.json (model.arch). Only the
+    launcher's plan reads it: it builds the model on the meta device to count parameters and the optimizer
+    split; the stages load the hub's own config.json. The defaults are Glm4MoeConfig's (the tiny build's)."""
+
+    norm_topk_prob: bool = True
+    tie_word_embeddings: bool = False
+    use_qk_norm: bool = False
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    rms_norm_eps: float = 1e-5
+    num_nextn_predict_layers: int = 0  # the MTP layers: in the hub checkpoint, not built by transformers
+
+
+@dataclass
 class ModelConfig:
     name: str = "tiny-glm4moe"
     # hub_id None means the model is built and pretrained here by `make base` (tiny preset only).
@@ -120,7 +136,10 @@ class ModelConfig:
     dtype: DType = DType.float32
     attn_implementation: AttnImplementation = AttnImplementation.sdpa
     tiny: TinyArch = field(default_factory=TinyArch)
-    # size in billions of parameters, for the launcher's memory estimate; null = not stated (tiny is built here)
+    # a hub model's architecture, from which the launcher's plan counts parameters; null = not stated
+    arch: Optional[Glm4MoeArch] = None
+    # size in billions of parameters, for the plan of a model without model.arch; null = not stated (the tiny
+    # model and a model with model.arch are counted from their architecture)
     params_total_b: Optional[float] = None
     params_active_b: Optional[float] = None
 
@@ -356,27 +375,39 @@ class Range:
 AT_LEAST_0, AT_LEAST_1, POSITIVE = Range(0), Range(1), Range(0, low_open=True)
 SHARE, SHARE_OPEN = Range(0, 1), Range(0, 1, low_open=True)  # [0, 1]; (0, 1]
 
+TINY_ARCH_RANGES: dict[str, Range] = {
+    "vocab_size": AT_LEAST_1,
+    "hidden_size": AT_LEAST_1,
+    "intermediate_size": AT_LEAST_1,
+    "num_hidden_layers": AT_LEAST_1,
+    "num_attention_heads": AT_LEAST_1,
+    "num_key_value_heads": AT_LEAST_1,
+    "head_dim": AT_LEAST_1,
+    "moe_intermediate_size": AT_LEAST_1,
+    "n_routed_experts": AT_LEAST_1,
+    "num_experts_per_tok": AT_LEAST_1,
+    "n_shared_experts": AT_LEAST_0,
+    "first_k_dense_replace": AT_LEAST_0,
+    "partial_rotary_factor": SHARE_OPEN,
+    "rope_theta": POSITIVE,
+    "max_position_embeddings": AT_LEAST_1,
+}
+ARCH_RANGES: dict[str, Range] = {  # the fields Glm4MoeArch adds
+    "routed_scaling_factor": POSITIVE,
+    "n_group": AT_LEAST_1,
+    "topk_group": AT_LEAST_1,
+    "rms_norm_eps": POSITIVE,
+    "num_nextn_predict_layers": AT_LEAST_0,
+}
+
 # The valid range of every int and float of the schema (a test checks that none is missing). Optional fields
 # are checked when set (null means off / the default). `[]` stands for every item of a list.
 # Checks that span keys (contexts, pass_k against samples, the tiny architecture) are in validate() below.
 RANGES: dict[str, Range] = {
     "seed": AT_LEAST_0,
-    # the tiny architecture (built by `make base`; hub models bring their own)
-    "model.tiny.vocab_size": AT_LEAST_1,
-    "model.tiny.hidden_size": AT_LEAST_1,
-    "model.tiny.intermediate_size": AT_LEAST_1,
-    "model.tiny.num_hidden_layers": AT_LEAST_1,
-    "model.tiny.num_attention_heads": AT_LEAST_1,
-    "model.tiny.num_key_value_heads": AT_LEAST_1,
-    "model.tiny.head_dim": AT_LEAST_1,
-    "model.tiny.moe_intermediate_size": AT_LEAST_1,
-    "model.tiny.n_routed_experts": AT_LEAST_1,
-    "model.tiny.num_experts_per_tok": AT_LEAST_1,
-    "model.tiny.n_shared_experts": AT_LEAST_0,
-    "model.tiny.first_k_dense_replace": AT_LEAST_0,
-    "model.tiny.partial_rotary_factor": SHARE_OPEN,
-    "model.tiny.rope_theta": POSITIVE,
-    "model.tiny.max_position_embeddings": AT_LEAST_1,
+    # the architectures: the tiny one (built by `make base`) and a hub model's (counted by the plan)
+    **{f"model.tiny.{k}": r for k, r in TINY_ARCH_RANGES.items()},
+    **{f"model.arch.{k}": r for k, r in {**TINY_ARCH_RANGES, **ARCH_RANGES}.items()},
     "model.params_total_b": POSITIVE,
     "model.params_active_b": POSITIVE,
     # data
@@ -601,17 +632,11 @@ def validate(cfg) -> None:
     if m.params_total_b is not None and m.params_active_b is not None and m.params_active_b > m.params_total_b:
         _fail(f"model.params_active_b ({m.params_active_b}) must be <= model.params_total_b ({m.params_total_b})")
 
+    if m.arch is not None:
+        _check_arch(m.arch, "model.arch")
     if m.hub_id is None:  # the tiny model of `make base`: its architecture and context are known here
         arch = m.tiny
-        if arch.num_attention_heads % arch.num_key_value_heads:
-            _fail(f"model.tiny.num_attention_heads ({arch.num_attention_heads}) must be a multiple of "
-                  f"model.tiny.num_key_value_heads ({arch.num_key_value_heads})")
-        if arch.num_experts_per_tok > arch.n_routed_experts:
-            _fail(f"model.tiny.num_experts_per_tok ({arch.num_experts_per_tok}) must be <= "
-                  f"model.tiny.n_routed_experts ({arch.n_routed_experts})")
-        if arch.first_k_dense_replace > arch.num_hidden_layers:
-            _fail(f"model.tiny.first_k_dense_replace ({arch.first_k_dense_replace}) must be <= "
-                  f"model.tiny.num_hidden_layers ({arch.num_hidden_layers})")
+        _check_arch(arch, "model.tiny")
         ctx = arch.max_position_embeddings
         # a completion needs room for its prompt: the tiny prompts are tens of tokens
         for key in ("rl.max_new_tokens", "eval.max_new_tokens"):
@@ -629,6 +654,19 @@ def validate(cfg) -> None:
 
 
 MIN_PROMPT_TOKENS = 16  # no tiny prompt is shorter (the instruction alone is longer)
+
+
+def _check_arch(arch, key: str) -> None:
+    """Sizes that do not make a working Glm4MoeForCausalLM."""
+    if arch.num_attention_heads % arch.num_key_value_heads:
+        _fail(f"{key}.num_attention_heads ({arch.num_attention_heads}) must be a multiple of "
+              f"{key}.num_key_value_heads ({arch.num_key_value_heads})")
+    if arch.num_experts_per_tok > arch.n_routed_experts:
+        _fail(f"{key}.num_experts_per_tok ({arch.num_experts_per_tok}) must be <= "
+              f"{key}.n_routed_experts ({arch.n_routed_experts})")
+    if arch.first_k_dense_replace > arch.num_hidden_layers:
+        _fail(f"{key}.first_k_dense_replace ({arch.first_k_dense_replace}) must be <= "
+              f"{key}.num_hidden_layers ({arch.num_hidden_layers})")
 
 
 # -- composition -------------------------------------------------------------------------------------------
@@ -665,6 +703,11 @@ def _replacing_dicts(overrides: List[str]) -> tuple[List[str], dict]:
 def _composition_error(e: Exception) -> str:
     """hydra's and omegaconf's errors, as one line that names the key or file."""
     text = str(e)
+    if "Unexpected type for root: NoneType" in text or "'NoneType' object has no attribute 'get'" in text:
+        # omegaconf cannot set keys of a block that is null: model.arch, the one Optional block, in a preset
+        # whose model states no architecture
+        return ("model.arch is null in this preset: its keys cannot be set from the command line; select a model "
+                "config that states it (model=glm45_air) or write the block in a config file")
     m = re.match(r"In '[^']*': Could not find '([^']+)/([^']+)'", text)
     if m:
         group, name = m.groups()
@@ -715,6 +758,8 @@ def config_hash(cfg, keys: List[str] | None = None) -> str:
     data = OmegaConf.to_container(cfg, resolve=True)
     if isinstance(data.get("data"), dict) and not data["data"].get("extra_tasks"):
         data["data"].pop("extra_tasks", None)  # added later: runs made before it keep their hash
+    if isinstance(data.get("model"), dict):
+        data["model"].pop("arch", None)  # read by the launcher's plan alone: no stage's output depends on it
     if keys is not None:
         data = {k: data[k] for k in keys}
     blob = json.dumps(data, sort_keys=True).encode()

@@ -313,6 +313,14 @@ def test_closed_choices_are_those_the_libraries_take():
     assert all(isinstance(getattr(torch, d), torch.dtype) for d in DType)
 
 
+@pytest.mark.parametrize("override", ["model.arch.hidden_size=3", "+model.arch.hidden_size=3",
+                                      "model.arch={hidden_size:3}"])
+def test_keys_of_a_null_architecture_block_get_an_error_that_names_it(override):
+    with pytest.raises(ConfigError, match=r"model\.arch is null in this preset.*model=glm45_air"):
+        load_config(["preset=tiny", override])
+    assert load_config(["preset=intellect3", "model.arch.hidden_size=3"]).model.arch.hidden_size == 3
+
+
 def test_a_hub_models_context_is_not_checked_against_the_tiny_one():
     cfg = load_config(["preset=gpu_small", "rl.max_new_tokens=4096", "sft.max_length=8192"])
     assert cfg.rl.max_new_tokens == 4096  # Qwen3's context is known from its config.json, not here

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from recipe.config import ConfigError, load_config
-from recipe.launch.plan import launch, memory_estimate, placement, throughput
+from recipe.launch.plan import GIB, launch, memory_estimate, placement, throughput
 
 REPO = Path(__file__).parent.parent
 
@@ -30,11 +30,16 @@ def test_intellect3_placement_and_throughput(tmp_path):
 def test_glm45_air_memory_estimate_is_sane(tmp_path):
     cfg = intellect3(tmp_path)
     mem = memory_estimate(cfg, placement(cfg))
-    assert 5 < mem["trainer_gib_per_gpu"] < 40
-    assert 10 < mem["inference_gib_per_gpu"] < 141  # bf16 106B over TP 8 fits an H200
-    # adamw holds 4 B/param more than muon
+    # float32 master weights + grads, Muon's one momentum and AdamW's two moments, sharded over the 64 GPUs of
+    # one of the 2 HSDP replicas
+    assert mem["trainer_bytes_per_gpu"] == 4 * (2 * mem["params_total"] + mem["params_muon"]
+                                                + 2 * mem["params_adamw"]) / 64
+    assert mem["inference_bytes_per_gpu"] == 2 * mem["params_total"] / 8  # bf16 over TP 8
+    assert 5 * GIB < mem["trainer_bytes_per_gpu"] < 40 * GIB
+    assert 10 * GIB < mem["inference_bytes_per_gpu"] < 141 * GIB  # bf16 106B over TP 8 fits an H200
+    # adamw keeps two moments where Muon keeps one momentum
     adamw = memory_estimate(intellect3(tmp_path, "rl.optimizer=adamw"), placement(cfg))
-    assert adamw["trainer_gib_per_gpu"] > mem["trainer_gib_per_gpu"]
+    assert adamw["params_muon"] == 0 and adamw["trainer_bytes_per_gpu"] > mem["trainer_bytes_per_gpu"]
 
 
 def test_sbatch_scripts_are_rendered_from_the_templates_and_parse(tmp_path, capsys):
@@ -105,7 +110,8 @@ def test_cli_error_is_one_line_and_tiny_prints_a_local_plan(tmp_path):
     assert bad.stderr.startswith("error:") and "launcher.trainer_nodes" in bad.stderr
     tiny = run("preset=tiny")
     assert tiny.returncode == 0, tiny.stderr
-    assert "local: one trainer process" in tiny.stdout and "n/a" in tiny.stdout
+    assert "local: one trainer process" in tiny.stdout and "optimizer adamw: AdamW on 1.48M params" in tiny.stdout
+    assert "memory: trainer 22.5 MiB/process" in tiny.stdout  # counted on the tiny model of `make base`
     assert not (tmp_path / "tiny").exists()  # a local plan writes nothing
 
 

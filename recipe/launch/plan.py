@@ -17,18 +17,17 @@ import sys
 from pathlib import Path
 
 import jinja2
+import torch
 
-from recipe.config import OptimizerKind
 from recipe.errors import ConfigError
 from recipe.eval.benchmarks import validate_benchmarks
 from recipe.inference.vllm import server_command, server_env
 from recipe.launch.roles import INFERENCE_URLS_ENV, torchrun_on_nodes
+from recipe.model import count_params, meta_model
+from recipe.rl.trainer import optimizer_split
 from recipe.runs import stage_dir, stage_main, write_atomic
 
 GIB = 2 ** 30
-# bytes a parameter costs on the trainer; FSDP2 full sharding spreads all of them over every trainer GPU
-TRAINER_BYTES = {"weights bf16": 2, "grads bf16": 2, "fp32 master copy": 4}
-OPTIMIZER_BYTES = {OptimizerKind.muon: 4, OptimizerKind.adamw: 8}  # muon: one fp32 momentum; adamw: two
 SERVER_HOST = "0.0.0.0"  # the trainer reaches the servers from other nodes
 SERVER_PYTHON = "python"  # the job's environment (sbatch passes on the submitting shell's), not this machine's
 
@@ -82,31 +81,69 @@ def _check_slurm(cfg) -> None:
 
 
 # -- estimates ---------------------------------------------------------------------------------------------
-def memory_estimate(cfg, plan: dict) -> dict | None:
-    """GiB a GPU holds for the trainer's sharded state and for the inference weights; None if the size is unknown.
-
-    Activations, KV cache and temporary buffers are left out: these are the floors the model size alone sets.
-    """
-    total_b = cfg.model.params_total_b
-    if total_b is None:
+def param_counts(cfg) -> dict | None:
+    """Parameter counts of the trainer's model: total, active a token, and how many each optimizer updates. They
+    come from the model built on the meta device and build_optimizer's own split (optimizer_split), or, for a
+    model without an architecture in the config, from model.params_total_b with every parameter on AdamW (the
+    most state a parameter can take). None if neither is stated."""
+    model = meta_model(cfg.model)
+    if model is not None:
+        total, active = count_params(model)
+        muon, adamw = optimizer_split(model.named_parameters(), cfg.rl.optimizer)
+        return {"total": total, "active": active, "muon": sum(p.numel() for _, p in muon),
+                "adamw": sum(p.numel() for _, p in adamw), "counted": True}
+    m = cfg.model
+    if m.params_total_b is None:
         return None
-    params = total_b * 1e9
-    opt = OPTIMIZER_BYTES[cfg.rl.optimizer]  # every OptimizerKind has its bytes
-    per_param = sum(TRAINER_BYTES.values()) + opt
-    shards = max(plan["trainer_gpus"], 1)  # CPU (gpus_per_node 0): one process holds everything
-    tp = cfg.launcher.inference_tp if plan["kind"] == "slurm" else 1
-    assumptions = [f"{k}: {v} B/param" for k, v in TRAINER_BYTES.items()]
-    # Muon keeps AdamW for the few non-matrix parameters (norms, biases); too few to change the estimate
-    note = " (every parameter counted as a matrix)" if cfg.rl.optimizer == "muon" else ""
-    assumptions.append(f"optimizer {cfg.rl.optimizer}: {opt} B/param{note}")
-    how = "FSDP2 full sharding" if plan["kind"] == "slurm" else "one process, unsharded"
-    assumptions.append(f"trainer: {per_param} B/param x {total_b:g}B params / {shards} GPUs ({how})")
-    assumptions.append(f"inference: bf16 weights (2 B/param) / TP {tp}; KV cache and activations not counted")
+    active = None if m.params_active_b is None else m.params_active_b * 1e9
+    return {"total": m.params_total_b * 1e9, "active": active, "muon": 0, "adamw": m.params_total_b * 1e9,
+            "counted": False}
+
+
+def memory_estimate(cfg, plan: dict) -> dict | None:
+    """Bytes a GPU holds for the trainer's sharded state and for the inference weights; None if the size is unknown.
+
+    The trainer holds weights, gradients and optimizer state in float32 whatever model.dtype (the master weights:
+    recipe.rl.dist.load_sharded; the forward runs in model.dtype): Muon one momentum buffer a parameter, AdamW two
+    moments (exp_avg, exp_avg_sq; its step counters are scalars). FSDP2 spreads all of it evenly over the trainer's
+    ranks (HSDP: over the ranks of one replica). The engines hold the weights in model.dtype. Activations, KV
+    cache, the layers gathered in model.dtype for a forward and temporary buffers are left out: these are the
+    floors the model size alone sets.
+    """
+    n = param_counts(cfg)
+    if n is None:
+        return None
+    dtype = cfg.model.dtype
+    size = getattr(torch, dtype).itemsize
+    master = torch.float32.itemsize
+    slurm = plan["kind"] == "slurm"
+    shards = plan["trainer_ranks"] // cfg.launcher.hsdp_replicas
+    tp = cfg.launcher.inference_tp if slurm else 1
+    parts = {"weights": n["total"] * master, "grads": n["total"] * master,
+             "Muon momentum": n["muon"] * master, "AdamW moments": 2 * n["adamw"] * master}
+    trainer = sum(parts.values()) / shards
+    unit = "GPUs" if slurm and cfg.launcher.gpus_per_node else "ranks"
+    replicas = f" in each of {cfg.launcher.hsdp_replicas} HSDP replicas" if cfg.launcher.hsdp_replicas > 1 else ""
+    where = f"FSDP2 sharding over {shards} {unit}{replicas}" if shards > 1 else "one process, unsharded"
+    if not n["counted"]:
+        source = ("model.params_total_b; no model.arch to count from, so every parameter is counted on AdamW, the "
+                  "most state one can take")
+    elif cfg.model.hub_id is None:
+        source = "counted on the model built from model.tiny on the meta device"
+    else:  # the checkpoint's MTP layers are neither loaded by transformers nor trained here
+        source = (f"counted on the model built from model.arch on the meta device, without the "
+                  f"{cfg.model.arch.num_nextn_predict_layers} MTP layer(s) transformers does not build")
+    assumptions = [
+        f"parameters: {source}",
+        f"trainer: weights, grads and optimizer state in float32 (master weights; the forward in {dtype}), "
+        f"{where}: ("
+        + " + ".join(f"{k} {_size(v)}" for k, v in parts.items() if v) + f") / {shards}",
+        f"inference: {dtype} weights / TP {tp}; KV cache and activations not counted",
+    ]
     return {
-        "params_total_b": total_b, "params_active_b": cfg.model.params_active_b,
-        "trainer_gib_per_gpu": params * per_param / shards / GIB,
-        "inference_gib_per_gpu": params * 2 / tp / GIB,
-        "assumptions": assumptions,
+        "params_total": n["total"], "params_active": n["active"], "params_muon": n["muon"],
+        "params_adamw": n["adamw"], "dtype": dtype, "trainer_bytes_per_gpu": trainer,
+        "inference_bytes_per_gpu": n["total"] * size / tp, "assumptions": assumptions,
     }
 
 
@@ -220,11 +257,16 @@ def describe(cfg, plan: dict, mem: dict | None, tput: dict) -> list[str]:
             lines.append(f"local: {n} trainer ranks on {device} under torchrun (FSDP2); rank 0 also runs the "
                          f"orchestrator and the engine {rl.engine} in a child process")
     if mem is None:
-        lines.append(f"memory: n/a ({cfg.model.name}: counted by make base)")
+        lines.append(f"memory: n/a ({cfg.model.name}: neither model.arch nor model.params_total_b is stated)")
     else:
-        lines.append(f"model: {mem['params_total_b']:g}B params total, {mem['params_active_b']:g}B active")
-        lines.append(f"memory: trainer {mem['trainer_gib_per_gpu']:.1f} GiB/GPU, inference weights "
-                     f"{mem['inference_gib_per_gpu']:.1f} GiB/GPU")
+        active = "" if mem["params_active"] is None else f", {_count(mem['params_active'])} active a token"
+        lines.append(f"model: {_count(mem['params_total'])} params{active}")
+        adamw = f"AdamW on {_count(mem['params_adamw'])} params (2 moments, float32)"
+        muon = f"Muon on {_count(mem['params_muon'])} params (momentum, float32) / " if mem["params_muon"] else ""
+        lines.append(f"optimizer {rl.optimizer}: {muon}{adamw}")
+        per = "GPU" if plan["gpus_per_node"] else "process"
+        lines.append(f"memory: trainer {_size(mem['trainer_bytes_per_gpu'])}/{per}, inference weights "
+                     f"{_size(mem['inference_bytes_per_gpu'])}/{per}")
         lines += [f"  assumes {a}" for a in mem["assumptions"]]
     lines.append(f"throughput: {rl.batch_size} prompts x {rl.rollouts_per_example} rollouts = "
                  f"{tput['rollouts_per_step']} rollouts a step; at most {tput['max_tokens_per_step']:,} new tokens a "
@@ -232,6 +274,14 @@ def describe(cfg, plan: dict, mem: dict | None, tput: dict) -> list[str]:
     if "rollouts_per_server" in tput:
         lines.append(f"  about {tput['rollouts_per_server']} rollouts a step per policy server")
     return lines
+
+
+def _count(n: float) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / 2 ** 20:.1f} MiB"
 
 
 def write_scripts(cfg, plan: dict, overrides: list[str]) -> tuple[list[Path], list[str]]:

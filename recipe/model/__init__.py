@@ -5,10 +5,12 @@ Glm4MoeForCausalLM of about a million parameters. Real presets: the hub model id
 """
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from safetensors import SafetensorError
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Glm4MoeConfig, Glm4MoeForCausalLM,
@@ -35,25 +37,53 @@ def build_tokenizer(texts, vocab_size: int):
                                    model_max_length=100_000)
 
 
+def glm4moe_config(arch, **extra) -> Glm4MoeConfig:
+    """A Glm4MoeConfig from a model.tiny or model.arch block (a dataclass or its config node); `extra` (the
+    tokenizer's vocabulary and token ids) wins over the block."""
+    fields = OmegaConf.to_container(arch) if isinstance(arch, DictConfig) else dataclasses.asdict(arch)
+    rope = {"rope_type": "default", "rope_theta": fields.pop("rope_theta"),
+            "partial_rotary_factor": fields.pop("partial_rotary_factor")}
+    # the config records the MTP layers; transformers builds none (and this recipe never trains them)
+    mtp = fields.pop("num_nextn_predict_layers", 0)
+    # the tiny block leaves these out: the GLM-4.5-Air values
+    kwargs = {"norm_topk_prob": True, "tie_word_embeddings": False, "use_qk_norm": False, **fields,
+              "rope_parameters": rope, "num_mtp_layers": mtp, **extra}
+    return Glm4MoeConfig(**kwargs)
+
+
 def build_tiny_model(arch, tokenizer, seed: int = 0):
     torch.manual_seed(seed)
-    config = Glm4MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
-        num_hidden_layers=arch.num_hidden_layers, num_attention_heads=arch.num_attention_heads,
-        num_key_value_heads=arch.num_key_value_heads, head_dim=arch.head_dim,
-        moe_intermediate_size=arch.moe_intermediate_size, n_routed_experts=arch.n_routed_experts,
-        num_experts_per_tok=arch.num_experts_per_tok, n_shared_experts=arch.n_shared_experts,
-        first_k_dense_replace=arch.first_k_dense_replace, max_position_embeddings=arch.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": arch.rope_theta,
-                         "partial_rotary_factor": arch.partial_rotary_factor},
-        attention_bias=arch.attention_bias, norm_topk_prob=True, tie_word_embeddings=False, use_qk_norm=False,
-        num_mtp_layers=0,  # the MTP layer is not used for training in this recipe
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=stop_token_ids(tokenizer),
-    )
+    config = glm4moe_config(arch, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+                            eos_token_id=stop_token_ids(tokenizer))
     model = Glm4MoeForCausalLM(config)
     model.generation_config.eos_token_id = stop_token_ids(tokenizer)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
+
+
+def meta_model(model_cfg):
+    """The trainer's model on the meta device (shapes, no memory), or None where the config states no
+    architecture: the tiny model from model.tiny (its vocabulary is model.tiny.vocab_size, the size the
+    tokenizer of `make base` is trained to), a hub model from model.arch."""
+    arch = model_cfg.tiny if model_cfg.hub_id is None else model_cfg.arch
+    if arch is None:
+        return None
+    with torch.device("meta"):
+        return Glm4MoeForCausalLM(glm4moe_config(arch))
+
+
+def count_params(model) -> tuple[int, int]:
+    """(total, active a token). Active: every weight a token's forward pass multiplies by, so neither the input
+    embedding (a row lookup) nor the routed experts the router does not pick (top-k of n)."""
+    cfg = model.config
+    total = active = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if ".mlp.experts." in name:  # stacked routed experts [n_routed_experts, ...]
+            active += p.numel() * cfg.num_experts_per_tok // cfg.n_routed_experts
+        elif "embed_tokens" not in name:
+            active += p.numel()
+    return total, active
 
 
 HUB_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")  # owner/name (or name): anything else is a local path

@@ -145,6 +145,14 @@ def shard_model(model, world: World, replicas: int = 1, compute_dtype: torch.dty
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
 
 
+def compute_in(model, dtype: torch.dtype):
+    """One process: the model's forward (and so its backward) run in `dtype` under autocast, its float32
+    parameters left as they are (the master weights). float32: the model as it is."""
+    if dtype != torch.float32:
+        model.forward = torch.autocast(next(model.parameters()).device.type, dtype=dtype)(model.forward)
+    return model
+
+
 def load_sharded(path, world: World, replicas: int, dtype: str, attn_implementation: str):
     """(model, tokenizer) for training on this rank, its parameters float32 whatever `dtype` (the model's compute
     dtype, bf16 for the real presets): they are the master weights the optimizer updates, as in prime-rl. In bf16 a
@@ -160,10 +168,7 @@ def load_sharded(path, world: World, replicas: int, dtype: str, attn_implementat
     master = "float32"
     if not world.distributed:
         model, tokenizer = load_pretrained(str(path), dtype=master, attn_implementation=attn_implementation)
-        model.to(world.device)
-        if compute != torch.float32:
-            model.forward = torch.autocast(world.device.type, dtype=compute)(model.forward)
-        return model, tokenizer
+        return compute_in(model.to(world.device), compute), tokenizer
     model, tokenizer = load_pretrained(str(path), dtype=master, attn_implementation=attn_implementation,
                                        weights=False)
     source = load_pretrained(str(path), dtype=master, attn_implementation=attn_implementation)[0] if world.main \

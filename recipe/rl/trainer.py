@@ -62,18 +62,29 @@ class CombinedOptimizer:
             o.load_state_dict(s)
 
 
-def build_optimizer(model, rl_cfg):
-    if rl_cfg.optimizer == OptimizerKind.adamw:
-        return CombinedOptimizer([torch.optim.AdamW(model.parameters(), lr=rl_cfg.lr,
-                                                    weight_decay=rl_cfg.weight_decay)])
+def takes_muon(name: str, param) -> bool:
+    """Whether Muon updates this parameter (rl.optimizer=muon): a 2-D weight matrix of the hidden layers."""
+    return (param.ndim == 2 and "embed_tokens" not in name and "lm_head" not in name
+            and ".gate." not in name)  # the router's weight (mlp.gate.weight), not mlp.gate_proj
+
+
+def optimizer_split(named_parameters, optimizer: OptimizerKind) -> tuple[list, list]:
+    """(muon, adamw): the (name, parameter) pairs each of build_optimizer's optimizers updates. The launcher's
+    plan counts its memory from this same split, on the model built on the meta device."""
     muon, adamw = [], []
-    for name, p in model.named_parameters():
-        hidden_matrix = p.ndim == 2 and "embed_tokens" not in name and "lm_head" not in name and ".gate." not in name
-        (muon if hidden_matrix else adamw).append(p)
-    return CombinedOptimizer([
-        torch.optim.Muon(muon, lr=rl_cfg.lr, weight_decay=rl_cfg.weight_decay, adjust_lr_fn="match_rms_adamw"),
-        torch.optim.AdamW(adamw, lr=rl_cfg.lr, weight_decay=rl_cfg.weight_decay),
-    ])
+    for name, p in named_parameters:
+        (muon if optimizer == OptimizerKind.muon and takes_muon(name, p) else adamw).append((name, p))
+    return muon, adamw
+
+
+def build_optimizer(model, rl_cfg):
+    muon, adamw = optimizer_split(model.named_parameters(), rl_cfg.optimizer)
+    optimizers = []
+    if rl_cfg.optimizer == OptimizerKind.muon:
+        optimizers.append(torch.optim.Muon([p for _, p in muon], lr=rl_cfg.lr, weight_decay=rl_cfg.weight_decay,
+                                           adjust_lr_fn="match_rms_adamw"))
+    optimizers.append(torch.optim.AdamW([p for _, p in adamw], lr=rl_cfg.lr, weight_decay=rl_cfg.weight_decay))
+    return CombinedOptimizer(optimizers)
 
 
 def build_scheduler(optimizer: CombinedOptimizer, warmup_steps: int):
