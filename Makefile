@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 RUN := $(PY) -m
 OVERRIDES := preset=$(PRESET) $(ARGS)
 
-.PHONY: all setup data base sft rl eval report test test-fast bench-rl bench-sandbox soak plan lock clean help
+.PHONY: all setup data base sft rl eval report test test-fast bench-rl bench-sandbox soak plan gpu-check lock clean help
 .DEFAULT_GOAL := help
 
 help:
@@ -17,6 +17,7 @@ help:
 	@echo "make test     unit tests and the end-to-end tiny pipeline"
 	@echo "make test-fast  unit tests only (not the slow end-to-end ones)"
 	@echo "stages: data base sft rl eval report; bench-rl bench-sandbox soak; plan (SLURM dry run); setup; clean"
+	@echo "make gpu-check  SFT and RL steps on one CUDA GPU: tokens/s, MFU (scripts/gpu_check.sh; GPU_CHECK_ARGS)"
 
 all: data base sft rl eval
 
@@ -76,3 +77,9 @@ clean:
 # Dry run of the RL launch: placement, memory and throughput; writes the SLURM script for slurm presets.
 plan: setup
 	$(RUN) recipe.launch $(OVERRIDES)
+
+# SFT and RL steps of a ~0.9B GLM-4-MoE on one CUDA GPU: tokens/s, MFU, peak memory (scripts/gpu_check.sh, which
+# also runs bare on the device machine: no venv, no network). No setup: it uses .venv when there is one.
+GPU_CHECK_ARGS ?=
+gpu-check:
+	PYTHON=$$( [ -x $(PY) ] && echo $(PY) || echo python3 ) bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)

@@ -78,15 +78,19 @@ class HFEngine:
             input_ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # each prompt starts at position 0, as in training
+        # the batch goes where the model is (a GPU: scripts/gpu_check.sh); on CPU every .to() below is a no-op
+        device = next(self.model.parameters()).device
+        input_ids, mask, positions = input_ids.to(device), mask.to(device), positions.to(device)
         greedy = params.temperature <= 0
         # every row's uniforms for every step, from its own generator, drawn up front: one call per row a batch
+        # (on the CPU whatever the device, so a seed draws the same uniforms on a GPU)
         uniforms = None if greedy else torch.stack(
-            [torch.rand(params.max_new_tokens, generator=torch.Generator().manual_seed(s)) for s in seeds])
-        stops = torch.tensor(self.stop_ids, dtype=torch.long)
+            [torch.rand(params.max_new_tokens, generator=torch.Generator().manual_seed(s)) for s in seeds]).to(device)
+        stops = torch.tensor(self.stop_ids, dtype=torch.long, device=device)
         cache = DynamicCache(config=self.model.config)
         logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
                             past_key_values=cache, use_cache=True).logits[:, -1].float()
-        live = torch.arange(len(prompts))  # original row of each row still running
+        live = torch.arange(len(prompts), device=device)  # original row of each row still running
         next_pos = positions[:, -1] + 1
         steps = []  # (rows, tokens, logprobs) of every decode step
         for t in range(params.max_new_tokens):
@@ -103,7 +107,7 @@ class HFEngine:
                 keep = running.nonzero().squeeze(1)
                 cache.batch_select_indices(keep)
                 live, tok, mask, next_pos = live[keep], tok[keep], mask[keep], next_pos[keep]
-            mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype)], dim=1)
+            mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype, device=device)], dim=1)
             logits = self.model(input_ids=tok.unsqueeze(1), attention_mask=mask, position_ids=next_pos.unsqueeze(1),
                                 past_key_values=cache, use_cache=True).logits[:, -1].float()
             next_pos = next_pos + 1
