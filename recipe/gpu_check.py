@@ -188,11 +188,12 @@ def build(args, device, dtype):
         model = build_tiny_model(arch, tokenizer, seed=args.seed)
         if arch.vocab_size > model.config.vocab_size:
             model.resize_token_embeddings(arch.vocab_size, mean_resizing=False)
-    model.to(dtype)
+    # float32 parameters, the master weights, as the trainer holds them (recipe.rl.dist.load_sharded); the forward
+    # runs in `dtype` under autocast (train_step's compute_dtype), the engine holds a `dtype` copy
     return model, tokenizer, arch
 
 
-def sft_phase(model, args, device, low: int, vocab: int, n_active: int) -> dict:
+def sft_phase(model, args, device, dtype, low: int, vocab: int, n_active: int) -> dict:
     import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
@@ -203,7 +204,8 @@ def sft_phase(model, args, device, low: int, vocab: int, n_active: int) -> dict:
         ids = torch.randint(low, vocab, (args.sft_batch, args.sft_seq), generator=gen).to(device)
         if step == 1:
             t0 = _now(device)
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):  # as the Trainer's bf16
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -230,7 +232,8 @@ def probe_logprob(model, ids: list[int], n_prompt: int, temperature: float, devi
         return float(completion_logprobs(logits, x[:, n_prompt:], temperature).sum())
 
 
-def rl_phase(model, engine_model, tokenizer, args, device, low: int, vocab: int, n_active: int, work: Path) -> dict:
+def rl_phase(model, engine_model, tokenizer, args, device, dtype, low: int, vocab: int, n_active: int,
+             work: Path) -> dict:
     import torch
 
     from recipe.chat import stop_token_ids
@@ -272,15 +275,16 @@ def rl_phase(model, engine_model, tokenizer, args, device, low: int, vocab: int,
             probe_before = probe_logprob(engine.model, *probe, rl.temperature, device)
         train_tokens = sum(len(x.prompt_ids) + len(x.completion_ids) for x in samples)
         t2 = _now(device)
-        stats = train_step(model, optimizer, schedulers, device, samples, rl, tokenizer.pad_token_id)
+        stats = train_step(model, optimizer, schedulers, device, samples, rl, tokenizer.pad_token_id,
+                           compute_dtype=dtype)
         t3 = _now(device)
-        with torch.no_grad():  # how much of the model this step moved (the engine still holds the version before)
+        with torch.no_grad():  # how much of what the engine serves this step moved (it holds the version before)
             moved = total = 0
             for a, b in zip(model.parameters(), engine.model.parameters()):
-                moved += int((a != b).sum())
+                moved += int((a.to(b.dtype) != b).sum())
                 total += a.numel()
         t4 = _now(device)
-        path = publish_weights(model, work / "weights", s + 1)
+        path = publish_weights(model, work / "weights", s + 1, dtype=dtype)
         t5 = _now(device)
         engine.update_weights(path, s + 1)
         t6 = _now(device)
@@ -295,12 +299,13 @@ def rl_phase(model, engine_model, tokenizer, args, device, low: int, vocab: int,
               f"{100 * step['changed_fraction']:.1f}% of weights moved", flush=True)
     timed = steps[1:] if len(steps) > 1 else steps
     moved = max(x["changed_fraction"] for x in steps)
-    if moved < 0.5:  # the trainer holds its parameters in the model's dtype (recipe.rl.loop loads it so)
-        print(f"gpu_check: note: an RL step moved at most {100 * moved:.1f}% of the weights at lr {rl.lr:g} in "
-              f"{next(model.parameters()).dtype}: updates under half a unit in the last place round away", flush=True)
+    if moved < 0.5:  # float32 master weights move every step; their `dtype` copy only once the steps add up
+        print(f"gpu_check: note: an RL step moved at most {100 * moved:.1f}% of the served weights at lr {rl.lr:g} in "
+              f"{dtype}: the float32 master weights keep the rest until it adds up to a unit in the last place",
+              flush=True)
     with torch.no_grad():
-        engine_matches = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
-                                                               engine.model.state_dict().values()))
+        engine_matches = all(torch.equal(a.to(b.dtype), b) for a, b in zip(model.state_dict().values(),
+                                                                            engine.model.state_dict().values()))
     probe_after = probe_logprob(engine.model, *probe, rl.temperature, device)
     probe_trainer = probe_logprob(model, *probe, rl.temperature, device)
     weights_bytes = sum(f.stat().st_size for f in (work / "weights").rglob("*.safetensors")) / (
@@ -408,15 +413,15 @@ def main(argv=None) -> int:
               f"{total / 1e9:.3f}B parameters, {n_active / 1e9:.3f}B active a token; built in "
               f"{result['build_s']:.1f}s", flush=True)
         _reset_peak(device)
-        result["sft"] = sft_phase(model, args, device, low, vocab, n_active)
+        result["sft"] = sft_phase(model, args, device, dtype, low, vocab, n_active)
         result["sft"]["peak_memory_gb"] = _peak_mem(device)
         write()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         # the engine starts from the trainer's weights (the RL stage starts both from the SFT model)
-        engine_model = copy.deepcopy(model).eval().requires_grad_(False)
+        engine_model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
         _reset_peak(device)
-        result["rl"] = rl_phase(model, engine_model, tokenizer, args, device, low, vocab, n_active, work)
+        result["rl"] = rl_phase(model, engine_model, tokenizer, args, device, dtype, low, vocab, n_active, work)
         result["rl"]["peak_memory_gb"] = _peak_mem(device)
         peaks = [x for x in (result["sft"]["peak_memory_gb"], result["rl"]["peak_memory_gb"]) if x is not None]
         result["peak_memory_gb"] = max(peaks) if peaks else None

@@ -6,7 +6,6 @@ import torch
 from recipe.config import load_config
 from recipe.launch.plan import memory_estimate, param_counts, placement
 from recipe.model import build_tiny_model, count_params, meta_model
-from recipe.rl.dist import compute_in
 from recipe.rl.trainer import build_optimizer, optimizer_split
 
 
@@ -40,10 +39,10 @@ def tiny(*overrides):
 
 
 def trainer_model(cfg):
-    """The tiny model as the RL trainer holds it: the `make base` build, float32 master weights with the forward
-    in model.dtype (recipe.rl.dist.load_sharded), on the CPU."""
+    """The tiny model as the RL trainer holds it: the `make base` build in float32, the master weights whatever
+    model.dtype (recipe.rl.dist.load_sharded), on the CPU."""
     arch = cfg.model.tiny
-    return compute_in(build_tiny_model(arch, Tok(arch.vocab_size)), getattr(torch, cfg.model.dtype))
+    return build_tiny_model(arch, Tok(arch.vocab_size))
 
 
 def held_bytes(model, optimizer) -> int:
@@ -63,7 +62,8 @@ def test_the_plan_formula_matches_the_bytes_torch_holds_after_a_step(optimizer, 
     model = trainer_model(cfg)
     opt = build_optimizer(model, cfg.rl)
     tokens = torch.randint(0, cfg.model.tiny.vocab_size, (2, 16))
-    model(input_ids=tokens).logits.float().mean().backward()
+    with torch.autocast("cpu", dtype=getattr(torch, dtype), enabled=dtype != "float32"):  # as train_step runs it
+        model(input_ids=tokens).logits.float().mean().backward()
     opt.step()  # every optimizer state exists from here on; no zero_grad: the gradients stay held
     assert all(p.grad is not None for p in model.parameters())
     assert all(p in o.state for o in opt.optimizers for g in o.param_groups for p in g["params"])

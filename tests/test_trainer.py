@@ -177,13 +177,15 @@ def test_bf16_compute_keeps_float32_master_weights_that_a_tiny_lr_still_moves(tm
     save_tiny_qa_model(tmp_path / "start")
     model, tok = load_sharded(tmp_path / "start", World(), 1, "bfloat16", "sdpa")
     assert all(p.dtype == torch.float32 for p in model.parameters())
-    assert model(input_ids=torch.tensor([[3, 4, 5]])).logits.dtype == torch.bfloat16  # the forward: bf16
     cfg = RLConfig(optimizer="adamw", lr=1e-6, weight_decay=0.0)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     opt = build_optimizer(model, cfg)
     batch = [Sample([5, 6, 7], [8 + i, 9, 10], [-5.0] * 3, [1] * 3, 1.0 if i % 2 else -1.0, 0.0, 0, "math")
              for i in range(4)]
-    train_step(model, opt, build_scheduler(opt, 0), CPU, batch, cfg, tok.pad_token_id)
+    seen = []
+    model.register_forward_hook(lambda m, args, out: seen.append(out.logits.dtype))
+    train_step(model, opt, build_scheduler(opt, 0), CPU, batch, cfg, tok.pad_token_id, compute_dtype=torch.bfloat16)
+    assert seen == [torch.bfloat16]  # the forward ran in bf16
     after = model.state_dict()
     total = sum(v.numel() for v in before.values())
     moved = sum((after[k] != before[k]).sum().item() for k in before) / total

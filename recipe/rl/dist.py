@@ -145,19 +145,12 @@ def shard_model(model, world: World, replicas: int = 1, compute_dtype: torch.dty
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
 
 
-def compute_in(model, dtype: torch.dtype):
-    """One process: the model's forward (and so its backward) run in `dtype` under autocast, its float32
-    parameters left as they are (the master weights). float32: the model as it is."""
-    if dtype != torch.float32:
-        model.forward = torch.autocast(next(model.parameters()).device.type, dtype=dtype)(model.forward)
-    return model
-
-
 def load_sharded(path, world: World, replicas: int, dtype: str, attn_implementation: str):
     """(model, tokenizer) for training on this rank, its parameters float32 whatever `dtype` (the model's compute
     dtype, bf16 for the real presets): they are the master weights the optimizer updates, as in prime-rl. In bf16 a
     step of lr 1e-6 would round away on most weights (bf16 keeps 8 bits of mantissa). Forward and backward run in
-    `dtype`: FSDP2's mixed precision on ranks (shard_model), autocast in one process.
+    `dtype`: FSDP2's mixed precision on ranks (shard_model), autocast in one process (train_step's
+    compute_dtype).
 
     One process: the model, loaded and moved to the device. Several ranks: every rank builds the model on the meta
     device and shards it; rank 0 alone reads the weights and sends each rank its shards (set_model_state_dict with
@@ -168,7 +161,7 @@ def load_sharded(path, world: World, replicas: int, dtype: str, attn_implementat
     master = "float32"
     if not world.distributed:
         model, tokenizer = load_pretrained(str(path), dtype=master, attn_implementation=attn_implementation)
-        return compute_in(model.to(world.device), compute), tokenizer
+        return model.to(world.device), tokenizer
     model, tokenizer = load_pretrained(str(path), dtype=master, attn_implementation=attn_implementation,
                                        weights=False)
     source = load_pretrained(str(path), dtype=master, attn_implementation=attn_implementation)[0] if world.main \

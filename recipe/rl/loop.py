@@ -121,7 +121,7 @@ def _rl_loop(cfg, stage_dir, start_model, world: World):
                 t1 = time.perf_counter()
                 share = world.scatter(split_by_tokens(samples, world.size) if world.main else None)
                 train_stats = train_step(model, optimizer, schedulers, world.device, share, rl,
-                                         tokenizer.pad_token_id, world)
+                                         tokenizer.pad_token_id, world, compute)
                 t2 = time.perf_counter()
                 step += 1
                 publish(step)

@@ -104,10 +104,14 @@ STAT_KEYS = ("loss", "loss_tokens", "masked_low", "masked_high", "masked_sequenc
              "kept_tokens", "ratio_sum")  # masked_is_loss's stats, summed over micro-batches and ranks
 
 
-def train_step(model, optimizer, schedulers, device, samples, rl_cfg, pad_id: int, world: World = World()) -> dict:
+def train_step(model, optimizer, schedulers, device, samples, rl_cfg, pad_id: int, world: World = World(),
+               compute_dtype: torch.dtype | None = None) -> dict:
     """One optimizer step on the batch (this rank's share of it); the loss is normalised by the loss tokens of
-    the whole step, over every rank, so that any number of ranks computes the one-process gradient."""
+    the whole step, over every rank, so that any number of ranks computes the one-process gradient.
+    compute_dtype (bf16 for the real presets): one process runs the forward under autocast in it, the float32
+    parameters staying the master weights (on ranks FSDP2's mixed precision does it: recipe.rl.dist.shard_model)."""
     model.train()
+    autocast = compute_dtype not in (None, torch.float32) and not world.distributed
     total_tokens = world.sum([sum(sum(s.loss_mask) for s in samples)])[0]
     # micro-batches of similar lengths pad less (a tool transcript is twice a one-line answer); the loss is a
     # sum normalised by the step's tokens, so the grouping does not change it
@@ -120,7 +124,8 @@ def train_step(model, optimizer, schedulers, device, samples, rl_cfg, pad_id: in
     for mb in batches:
         input_ids = _pad([s.prompt_ids + s.completion_ids for s in mb], pad_id)
         attention = _pad([[1] * (len(s.prompt_ids) + len(s.completion_ids)) for s in mb], 0)
-        logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
+        with torch.autocast(device.type, dtype=compute_dtype, enabled=autocast):
+            logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
         # logits at position t predict token t+1: gather each completion's positions into [mb, T_c]
         width = max(len(s.completion_ids) for s in mb)
         index = _pad([list(range(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + len(s.completion_ids)))
