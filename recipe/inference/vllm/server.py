@@ -80,6 +80,40 @@ def server_command(model_path, cfg, host: str = "127.0.0.1", port: int | None = 
     return cmd + [str(a) for a in (rl.vllm_extra_args or [])]
 
 
+HF_SERVER_MODULE = "recipe.inference.serve"
+
+
+def hf_server_command(model_path, cfg, host: str = "127.0.0.1", port: int | None = None,
+                      python: str = sys.executable) -> list[str]:
+    """The CPU stand-in for `vllm serve` (recipe.inference.serve: the hf engine behind the same endpoints), with
+    what server_command would give vLLM where the stand-in has it: host, port, dtype, seed, and a --max-model-len
+    from rl.vllm_extra_args; the hf engine's rl.gen_threads and rl.gen_batch_size. The other vLLM flags mean
+    nothing to it and are left out. It runs with server_env() too (ServerProcess), which it does not need."""
+    rl = cfg.rl
+    cmd = [
+        python, "-m", HF_SERVER_MODULE, str(model_path),
+        "--host", host,
+        "--port", str(rl.vllm_port if port is None else port),
+        "--dtype", str(cfg.model.dtype),
+        "--seed", str(rl.seed),
+        "--threads", str(rl.gen_threads),
+        "--batch-size", str(rl.gen_batch_size),
+    ]
+    max_len = _flag_value([str(a) for a in (rl.vllm_extra_args or [])], "--max-model-len")
+    return cmd + (["--max-model-len", max_len] if max_len is not None else [])
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The value of the last `flag V` or `flag=V` in args, or None."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a[len(flag) + 1:]
+    return value
+
+
 def server_env(base: dict | None = None, cuda: bool | None = None) -> dict:
     env = dict(os.environ if base is None else base)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # mounts /collective_rpc and /reset_prefix_cache
