@@ -1,7 +1,7 @@
 """recipe.inference.serve, the CPU stand-in for `vllm serve`: the vllm engine's client (VLLMEngine, launch=False)
 drives it unchanged. One server on a tiny model for the module (started with hf_server_command), spoken to over
 HTTP: completions and their logprobs against the model's own, the context, a too-long prompt, weight reloads
-from a sharded folder and a file, a short RL run through RECIPE_VLLM_URLS, and SIGTERM. The request checks and
+from a sharded folder and a file, a short RL run through RECIPE_INFERENCE_URLS, and SIGTERM. The request checks and
 the scheduler (batching, swaps between batches) are tested in-process."""
 import json
 import math
@@ -392,7 +392,7 @@ def test_rl_run_on_the_server_through_recipe_vllm_urls(served, monkeypatch):
                        "rl.micro_batch_size=4", "rl.pin_cores=false", "rl.seed=0", "rl.gen_batch_size=8",
                        "~rl.env_mix.logic", "~rl.env_mix.code", "~rl.env_mix.tools", "rl.env_mix.math=1.0"])
     write_math_rl_data(cfg)
-    monkeypatch.setenv("RECIPE_VLLM_URLS", served["url"])
+    monkeypatch.setenv("RECIPE_INFERENCE_URLS", served["url"])
     log_before = served["log"].read_text()
     with contextlib.redirect_stdout(io.StringIO()):
         loop.run_rl(cfg, stage_dir(cfg, "rl"), served["folder"])

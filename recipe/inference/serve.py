@@ -4,7 +4,7 @@
                                      [--batch-size B] [--dtype D] [--seed S]
 
 Where vLLM is not installed (this CPU machine, CI), the vllm engine's client (recipe.inference.vllm.client,
-VLLMEngine with launch=False, or RECIPE_VLLM_URLS in recipe.rl.loop.make_engine) can drive this server unchanged,
+VLLMEngine with launch=False, or RECIPE_INFERENCE_URLS in recipe.rl.loop.make_engine) can drive this server unchanged,
 so the multi-node path (one server per inference node, the trainer's orchestrator speaking HTTP to them) runs end
 to end. recipe.inference.vllm.server.hf_server_command is its command line, beside server_command (vLLM's).
 

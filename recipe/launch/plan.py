@@ -21,7 +21,7 @@ import torch
 
 from recipe.errors import ConfigError
 from recipe.eval.benchmarks import validate_benchmarks
-from recipe.inference.vllm import server_command, server_env
+from recipe.inference.vllm import hf_server_command, server_command, server_env
 from recipe.launch.roles import INFERENCE_URLS_ENV, torchrun_on_nodes
 from recipe.model import count_params, meta_model
 from recipe.rl.trainer import optimizer_split
@@ -30,10 +30,6 @@ from recipe.runs import stage_dir, stage_main, write_atomic
 GIB = 2 ** 30
 SERVER_HOST = "0.0.0.0"  # the trainer reaches the servers from other nodes
 SERVER_PYTHON = "python"  # the job's environment (sbatch passes on the submitting shell's), not this machine's
-
-
-def hf_server_command(model_path, cfg, host, python):  # TEMP until the serve branch lands
-    return [python, "-m", "recipe.inference.serve", str(model_path), "--host", host, "--port", str(cfg.rl.vllm_port)]
 
 
 # -- placement ---------------------------------------------------------------------------------------------
