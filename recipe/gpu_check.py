@@ -49,6 +49,18 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import transformers
+
+from recipe.chat import SPECIAL_TOKENS, stop_token_ids
+from recipe.config import TinyArch, load_config
+from recipe.inference.hf import HFEngine
+from recipe.model import build_tiny_model, build_tokenizer
+from recipe.rl.loss import completion_logprobs
+from recipe.rl.orchestrator import Sample
+from recipe.rl.trainer import build_optimizer, build_scheduler, publish_weights, train_step
+from recipe.rollout import SamplingParams
+
 H200_PEAK_BF16_TFLOPS = 989.0  # dense bf16, H100/H200 SXM datasheet (989.4); no sparsity
 
 SIZES = {
@@ -103,7 +115,6 @@ def parse_args(argv=None):
 
 def _now(device) -> float:
     """The wall clock once the device has finished its queued work."""
-    import torch
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -135,7 +146,6 @@ def _rate(tokens: int, seconds: float, n_active: int, flops_per_param: int, peak
 
 def _matmul_tflops(device) -> float | None:
     """One 8192^3 bf16 matrix product's rate on this GPU (mean of 10 after 3 warm-ups), for comparison."""
-    import torch
 
     if device.type != "cuda":
         return None
@@ -153,13 +163,11 @@ def _matmul_tflops(device) -> float | None:
 
 
 def _peak_mem(device) -> float | None:
-    import torch
 
     return torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else None
 
 
 def _reset_peak(device) -> None:
-    import torch
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -176,10 +184,7 @@ def _git_commit() -> str | None:
 def build(args, device, dtype):
     """The recipe's tokenizer and model (recipe.model); the model built on the device, its vocabulary padded to
     the size's (as GLM-4.5 pads its 151329 tokens to 151552 embedding rows)."""
-    import torch
 
-    from recipe.config import TinyArch
-    from recipe.model import build_tiny_model, build_tokenizer
 
     texts = [f"{a} + {b} = {a + b}" for a in range(40) for b in range(10)] + ["the quick brown fox"] * 10
     arch = TinyArch(**SIZES[args.size]["arch"])
@@ -194,7 +199,6 @@ def build(args, device, dtype):
 
 
 def sft_phase(model, args, device, dtype, low: int, vocab: int, n_active: int) -> dict:
-    import torch
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
@@ -222,9 +226,7 @@ def sft_phase(model, args, device, dtype, low: int, vocab: int, n_active: int) -
 
 def probe_logprob(model, ids: list[int], n_prompt: int, temperature: float, device) -> float:
     """Sum of the completion tokens' logprobs (recipe.rl.loss.completion_logprobs, as the trainer scores them)."""
-    import torch
 
-    from recipe.rl.loss import completion_logprobs
 
     with torch.no_grad():
         x = torch.tensor([ids], device=device)
@@ -234,14 +236,7 @@ def probe_logprob(model, ids: list[int], n_prompt: int, temperature: float, devi
 
 def rl_phase(model, engine_model, tokenizer, args, device, dtype, low: int, vocab: int, n_active: int,
              work: Path) -> dict:
-    import torch
 
-    from recipe.chat import stop_token_ids
-    from recipe.config import load_config
-    from recipe.inference.hf import HFEngine
-    from recipe.rl.orchestrator import Sample
-    from recipe.rl.trainer import build_optimizer, build_scheduler, publish_weights, train_step
-    from recipe.rollout import SamplingParams
 
     overrides = ["preset=intellect3", f"rl.micro_batch_size={args.micro_batch}"]
     if args.lr is not None:
@@ -355,16 +350,13 @@ def table(r: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print(f"gpu_check: error: --device cuda, but torch {torch.__version__} sees no CUDA device "
               f"(torch.cuda.is_available() is False); --device cpu --size tiny runs the check on the CPU",
               file=sys.stderr)
         return 2
-    import transformers
 
-    from recipe.chat import SPECIAL_TOKENS
 
     if args.threads:
         torch.set_num_threads(args.threads)

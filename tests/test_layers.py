@@ -24,7 +24,8 @@ LAYERS = [
     ["recipe.eval.report"],
     # stages: the entry points and what only they use
     ["recipe.data.__main__", "recipe.base", "recipe.sft.__main__", "recipe.rl.loop", "recipe.rl.__main__",
-     "recipe.rl.bench", "recipe.rl.soak", "recipe.eval.__main__", "recipe.sandbox.bench", "recipe.launch"],
+     "recipe.rl.bench", "recipe.rl.soak", "recipe.eval.__main__", "recipe.sandbox.bench", "recipe.launch",
+     "recipe.gpu_check"],
 ]
 RANK = {prefix: i for i, names in enumerate(LAYERS) for prefix in names}
 INSIDE_SANDBOX = {"recipe.sandbox._inside"}  # runs inside the sandbox's interpreter, not as part of the package
