@@ -197,7 +197,7 @@ class TrainConfig:
     """Shared by the `base` (pretraining, tiny only) and `sft` stages; both run on TRL's SFTTrainer."""
 
     max_steps: int = 300
-    batch_size: int = 32
+    batch_size: int = 32  # the global batch: each of launcher.num_processes ranks takes an even share of it
     grad_accum: int = 1
     lr: float = 2e-3
     weight_decay: float = 0.0
@@ -320,8 +320,9 @@ class LauncherConfig:
     partition: Optional[str] = None
     time_limit: str = "48:00:00"
     health_timeout_s: int = 3600  # the batch script waits this long for every policy server's /health
-    # trainer ranks `python -m recipe.rl` starts on this machine (>1: it re-runs itself under torchrun; rank 0
-    # also hosts the orchestrator and the engine client); on SLURM CPU nodes, the ranks of each trainer node
+    # trainer ranks `python -m recipe.rl` (and recipe.sft, recipe.base) starts on this machine (>1: it runs itself
+    # under torchrun; in RL rank 0 also hosts the orchestrator and the engine client); on SLURM CPU nodes, the
+    # ranks of each trainer node
     num_processes: int = 1
     # how long a rank waits in one collective (e.g. for rank 0 to gather a step's rollouts) before it fails;
     # a rank that dies is noticed at once (torchrun stops the others), this bounds a rank that hangs

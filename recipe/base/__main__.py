@@ -2,41 +2,89 @@
 task-domain text so that it plays the base model: it knows the domain, not the chat format.
 
 Presets with a hub model have nothing to do here: their base model is the hub id at its pinned revision.
+
+launcher.num_processes > 1: as `make sft` (recipe.sft.__main__), this command re-runs itself under torchrun and
+every rank runs the same Trainer (DDP over gloo: the tiny model trains on the CPU); rank 0 does the stage's
+bookkeeping, trains the tokenizer and hands it to the other ranks.
 """
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 from datasets import Dataset
 
 from recipe.data.schema import read_split, read_text_split
 from recipe.errors import DataError
-from recipe.model import build_tiny_model, build_tokenizer
+from recipe.launch.roles import launched, relaunch
+from recipe.model import build_tiny_model, build_tokenizer, tokenizer_from_str
+from recipe.rl.dist import World, close_world, init_world
 from recipe.runs import Stage, stage_main
-from recipe.sft import train_supervised
+from recipe.sft import per_device_batch, train_supervised
+
+REQUIRES = ("data",)
 
 
-def base_stage(stage: Stage, upstream: dict) -> dict:
-    cfg, data_dir = stage.cfg, upstream["data"]
-    pretrain = read_text_split(data_dir, "pretrain")
-    if not pretrain:
-        raise DataError(f"{data_dir / 'pretrain.parquet'} has no rows: `make base` pretrains the tiny model on "
-                        f"them (data.pretrain_rows_per_task >= 1)")
-    sft_rows = read_split(data_dir, "sft")
-    # the tokenizer sees the chat-formatted SFT text too, so the format's strings get their own merges
-    chat_texts = [r["prompt"][0]["content"] + r["completion"][0]["content"] for r in sft_rows]
-    tokenizer = build_tokenizer(pretrain + chat_texts, cfg.model.tiny.vocab_size)
+def train(cfg, stage_dir: Path, pretrain: list[str], tokenizer, world: World) -> Path:
     model = build_tiny_model(cfg.model.tiny, tokenizer, seed=cfg.seed)
-    print(f"base: Glm4MoeForCausalLM with {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
-    out = train_supervised(model, tokenizer, Dataset.from_dict({"text": pretrain}), cfg.base, stage.dir,
-                           use_cpu=True)
-    return {"inputs": {"pretrain": data_dir / "pretrain.parquet"}, "outputs": {"model": out}}
+    if world.main:
+        print(f"base: Glm4MoeForCausalLM with {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
+    return train_supervised(model, tokenizer, Dataset.from_dict({"text": pretrain}), cfg.base, stage_dir,
+                            use_cpu=True, world=world, key="base")
 
 
-@stage_main
-def main(cfg):
+def lead(cfg, world: World) -> None:
+    """Rank 0 (or the one process): the stage's life; the other ranks get the stage folder and the tokenizer."""
+    told = False
+
+    def body(stage: Stage, upstream: dict) -> dict:
+        nonlocal told
+        data_dir = upstream["data"]
+        pretrain = read_text_split(data_dir, "pretrain")
+        if not pretrain:
+            raise DataError(f"{data_dir / 'pretrain.parquet'} has no rows: `make base` pretrains the tiny model on "
+                            f"them (data.pretrain_rows_per_task >= 1)")
+        sft_rows = read_split(data_dir, "sft")
+        # the tokenizer sees the chat-formatted SFT text too, so the format's strings get their own merges
+        chat_texts = [r["prompt"][0]["content"] + r["completion"][0]["content"] for r in sft_rows]
+        tokenizer = build_tokenizer(pretrain + chat_texts, cfg.model.tiny.vocab_size)
+        world.broadcast((str(stage.dir), str(data_dir), tokenizer.backend_tokenizer.to_str()))
+        told = True
+        out = train(stage.cfg, stage.dir, pretrain, tokenizer, world)
+        return {"inputs": {"pretrain": data_dir / "pretrain.parquet"}, "outputs": {"model": out}}
+
+    try:
+        Stage(cfg, "base").run(body, requires=REQUIRES)
+    finally:
+        if not told:  # skipped (already done) or refused: nothing for the other ranks to do
+            world.broadcast(None)
+
+
+def follow(cfg, world: World) -> None:
+    job = world.broadcast(None)
+    if job is not None:
+        stage_dir, data_dir, tokenizer = job
+        train(cfg, Path(stage_dir), read_text_split(Path(data_dir), "pretrain"), tokenizer_from_str(tokenizer), world)
+
+
+def run(cfg, argv: list[str]) -> None:
     if cfg.model.hub_id:
         print(f"base: the base model is {cfg.model.hub_id}@{cfg.model.revision}; nothing to pretrain")
         return
-    Stage(cfg, "base").run(base_stage, requires=("data",))
+    per_device_batch(cfg.base, "base", cfg.launcher.num_processes)  # refused before any rank starts
+    if cfg.launcher.num_processes > 1 and not launched():
+        return relaunch(cfg, "base", REQUIRES, "recipe.base", argv, cfg.base.threads)
+    world = init_world(cfg.launcher.collective_timeout_s, cpu=True)
+    try:
+        (lead if world.main else follow)(cfg, world)
+    finally:
+        close_world(world)
+
+
+def main(argv=None):
+    # the raw overrides are kept for the ranks' command line
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return stage_main(lambda cfg: run(cfg, argv))(argv)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,16 @@ def build_tokenizer(texts, vocab_size: int):
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer)
+    return _wrap_tokenizer(tok)
+
+
+def tokenizer_from_str(text: str):
+    """The tokenizer build_tokenizer made, from its backend's JSON (`tokenizer.backend_tokenizer.to_str()`): how
+    the ranks of `make base` take rank 0's tokenizer instead of each training one."""
+    return _wrap_tokenizer(Tokenizer.from_str(text))
+
+
+def _wrap_tokenizer(tok: Tokenizer):
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=ENDOFTEXT, pad_token="<|pad|>",
                                    chat_template=CHAT_TEMPLATE, padding_side="left",
                                    model_max_length=100_000)

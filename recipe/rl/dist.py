@@ -77,12 +77,13 @@ class World:
         return bool(self.max(int(flag)))
 
 
-def init_world(timeout_s: float) -> World:
-    """This process's World: joins the launcher's process group when there is one, else World()."""
+def init_world(timeout_s: float, cpu: bool = False) -> World:
+    """This process's World: joins the launcher's process group when there is one, else World(). cpu=True: gloo
+    on the CPU even where there are GPUs (`make base` trains on the CPU)."""
     if not launched():
-        return World()
+        return World(device=torch.device("cpu")) if cpu else World()
     timeout = datetime.timedelta(seconds=timeout_s)
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and not cpu:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         dist.init_process_group("nccl", timeout=timeout)

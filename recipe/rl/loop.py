@@ -144,6 +144,9 @@ def _rl_loop(cfg, stage_dir, start_model, world: World):
                     if saved != step:  # the signal came after this step's checkpoint decision
                         checkpoint()
                     bar.close()
+                    # no rank leaves right after an all-reduce: gloo's thread may still be releasing it, and a rank
+                    # freeing the process group then deadlocks at exit (recipe.sft.train_supervised has the story)
+                    world.barrier()
                     if not world.main:
                         STOP.stop(f"rank {world.rank} stopped with rank 0 after step {step}")
                     STOP.stop(f"the next run resumes from checkpoint {latest_checkpoint(ckpt_root)} (step {step})")

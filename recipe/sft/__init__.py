@@ -4,6 +4,12 @@ TRL does the work: loss masking, packing when asked, checkpoints. This module ad
 around it: resume from the last checkpoint, metrics.jsonl, a final model folder in Hugging Face format, and
 chat rows tokenized here (`chat_dataset`) so that a tool-use demonstration leaves the environment's reply out
 of the loss, as RL does.
+
+On several ranks (torchrun; recipe.sft.__main__ and recipe.base start them) every rank runs the same Trainer,
+which takes the process group from the environment: DDP over gloo on CPU, FSDP2 over the GPUs (`sharding`). The
+configured batch_size is the global batch: each rank takes batch_size / ranks of it, so a step sees the same
+examples at any number of ranks. Rank 0 alone writes metrics.jsonl and the final folder, and alone removes a
+damaged checkpoint; the ranks agree on a stop request, so all of them stop, and save, after the same step.
 """
 from __future__ import annotations
 
@@ -14,17 +20,19 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from torch.distributed.checkpoint import FileSystemReader
 from transformers import PreTrainedModel, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 from trl.data_utils import common_prefix_length
 
 from recipe.chat import ENV_REPLY, messages
-from recipe.errors import StageError
+from recipe.errors import ConfigError, StageError
+from recipe.rl.dist import World
 from recipe.runs import STOP, MetricsLog, safetensors_problem, torch_save_problem
 
 
 class MetricsCallback(TrainerCallback):
-    """Trainer logs -> metrics.jsonl (one process writes it)."""
+    """Trainer logs -> metrics.jsonl (one process writes it: the Trainer's logs already hold every rank's mean)."""
 
     def __init__(self, metrics: MetricsLog):
         self.metrics = metrics
@@ -44,13 +52,27 @@ def checkpoint_problem(ckpt: Path) -> str | None:
     and trainer_state.json must parse. That catches every truncated or missing file, which is what a kill, a full
     disk or a lost page cache leaves, and costs a few reads however large the model; loading the optimizer state
     here would read it twice (the Trainer loads it again). A file torn in the middle with its length intact is not
-    caught."""
+    caught.
+
+    A checkpoint of FSDP2 ranks (SHARDED_STATE_DICT) holds the model and the optimizer as torch.distributed.checkpoint
+    folders instead (FSDP_FOLDERS): each must have its .metadata, which the save writes after every rank's shard,
+    and every shard file that names, at least as long as the metadata says."""
     try:
         json.loads((ckpt / "trainer_state.json").read_text())["global_step"]
     except FileNotFoundError:
         return "trainer_state.json is missing (the save was cut short)"
     except (ValueError, KeyError) as e:
         return f"trainer_state.json does not parse ({e})"
+    if (ckpt / FSDP_FOLDERS[0]).is_dir():
+        for name in FSDP_FOLDERS:
+            if problem := dcp_problem(ckpt / name):
+                return problem
+        if not (ckpt / "scheduler.pt").exists():
+            return "scheduler.pt is missing"
+        for p in sorted([*ckpt.glob("*.pt"), *ckpt.glob("*.pth"), *ckpt.glob("*.bin")]):
+            if problem := torch_save_problem(p):
+                return problem
+        return None
     weights = sorted(ckpt.glob("*.safetensors"))
     if not weights:
         return "no model weights (*.safetensors)"
@@ -74,11 +96,42 @@ def checkpoint_problem(ckpt: Path) -> str | None:
     return None
 
 
+FSDP_FOLDERS = ("pytorch_model_fsdp_0", "optimizer_0")  # the Trainer's (accelerate's) names for sharded state
+
+
+def dcp_problem(folder: Path) -> str | None:
+    """Why a torch.distributed.checkpoint folder is not whole, or None: its .metadata reads, and every file it
+    names is there and reaches the end of the last entry the metadata places in it."""
+    if not (folder / ".metadata").exists():
+        return f"{folder.name}/.metadata is missing (the sharded save was cut short)"
+    try:
+        storage = FileSystemReader(str(folder)).read_metadata().storage_data
+    except Exception as e:  # a truncated pickle: EOFError, UnpicklingError, ...
+        return f"{folder.name}/.metadata does not read ({e.__class__.__name__})"
+    ends: dict[str, int] = {}
+    for info in storage.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        path = folder / name
+        if not path.exists():
+            return f"{folder.name}/{name} is missing"
+        if path.stat().st_size < end:
+            return f"{folder.name}/{name} is {path.stat().st_size} bytes, its metadata says at least {end}"
+    return None
+
+
 class StopCallback(TrainerCallback):
-    """SIGTERM/SIGINT (recipe.runs.STOP): save a checkpoint at the end of the current step and stop training."""
+    """SIGTERM/SIGINT (recipe.runs.STOP): save a checkpoint at the end of the current step and stop training.
+
+    On several ranks the signal reaches each rank at a moment of its own (torchrun passes it on rank by rank, or
+    one rank alone is signalled): at each step's end the ranks agree (one all-reduce of a flag, world.any), so
+    that all of them save the same step and stop after it. One process: the flag as it is."""
+
+    def __init__(self, world: World | None = None):
+        self.world = world or World()
 
     def on_step_end(self, args, state, control, **kwargs):
-        if STOP.requested:
+        if self.world.any(STOP.requested):
             control.should_save = True
             control.should_training_stop = True
 
@@ -137,20 +190,54 @@ class ResumingSFTTrainer(SFTTrainer):
             raise StageError(f"checkpoint {resume_from_checkpoint} does not match the model: {e}") from None
 
 
-def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_cpu: bool) -> Path:
-    """Train to train_cfg.max_steps, resuming from the newest checkpoint; returns the final model folder."""
+def per_device_batch(train_cfg, key: str, ranks: int) -> int:
+    """Each rank's share of the global batch `{key}.batch_size`: the same examples make a step at any number of
+    ranks (the Trainer's sampler hands rank r the r-th slice of each global batch)."""
+    if train_cfg.batch_size % ranks:
+        raise ConfigError(f"config error: {key}.batch_size={train_cfg.batch_size} is the global batch and is split "
+                          f"evenly over launcher.num_processes={ranks} ranks: make it a multiple of {ranks}")
+    return train_cfg.batch_size // ranks
+
+
+def sharding(model, train_cfg, world: World, use_cpu: bool) -> dict:
+    """SFTConfig's FSDP arguments: FSDP2 over the ranks when they train on GPUs, each decoder layer a unit of its
+    own (configs/accelerate/fsdp2.yaml's settings), checkpoints as sharded torch.distributed.checkpoint folders
+    (each rank writes its shards). Nothing on CPU or in one process: the Trainer then wraps the model in DDP
+    (accelerate applies its FSDP plugin to GPU ranks only; on CPU ranks it would silently train DDP anyway).
+    With FSDP the activation checkpointing is FSDP's (the Trainer refuses both kinds at once)."""
+    if use_cpu or not world.distributed:
+        return {}
+    return {"fsdp": True,
+            "fsdp_config": {"version": 2, "auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                            "transformer_layer_cls_to_wrap": [type(model.model.layers[0]).__name__],
+                            "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT",
+                            "activation_checkpointing": train_cfg.gradient_checkpointing}}
+
+
+def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_cpu: bool,
+                     world: World | None = None, key: str = "sft") -> Path:
+    """Train to train_cfg.max_steps, resuming from the newest checkpoint; returns the final model folder.
+
+    world: this rank (recipe.rl.dist.init_world) when torchrun started several; every rank calls this with the
+    same arguments. key: the config section train_cfg is (`sft`, `base`), for the batch check's message."""
+    world = world or World()
+    per_device = per_device_batch(train_cfg, key, world.size)
     torch.set_num_threads(train_cfg.threads)
     ckpt_dir = stage_dir / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    last = last_complete_checkpoint(ckpt_dir)
+    # rank 0 alone looks and removes a damaged checkpoint; the others wait for its answer
+    last = world.broadcast(last_complete_checkpoint(ckpt_dir) if world.main else None)
     resume_step = json.loads((Path(last) / "trainer_state.json").read_text())["global_step"] if last else None
-    metrics = MetricsLog(stage_dir / "metrics.jsonl", resume_step=resume_step)
-    if last:
-        print(f"resuming from {last} (step {resume_step})")
+    callbacks = [StopCallback(world)]
+    if world.main:
+        callbacks.append(MetricsCallback(MetricsLog(stage_dir / "metrics.jsonl", resume_step=resume_step)))
+        if last:
+            print(f"resuming from {last} (step {resume_step})")
+    fsdp = sharding(model, train_cfg, world, use_cpu)
     args = SFTConfig(
         output_dir=str(ckpt_dir),
         max_steps=train_cfg.max_steps,
-        per_device_train_batch_size=train_cfg.batch_size,
+        per_device_train_batch_size=per_device,
         gradient_accumulation_steps=train_cfg.grad_accum,
         learning_rate=train_cfg.lr,
         weight_decay=train_cfg.weight_decay,
@@ -162,23 +249,37 @@ def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_
         save_total_limit=train_cfg.save_total_limit,
         logging_steps=train_cfg.logging_steps,
         bf16=train_cfg.bf16,
-        gradient_checkpointing=train_cfg.gradient_checkpointing,
+        gradient_checkpointing=train_cfg.gradient_checkpointing and not fsdp,  # under FSDP2: FSDP's own
         seed=train_cfg.seed,
         use_cpu=use_cpu,
         report_to="none",
         dataloader_num_workers=0,
         disable_tqdm=False,
+        **fsdp,
     )
     trainer = ResumingSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                                 callbacks=[MetricsCallback(metrics), StopCallback()])
+                                 callbacks=callbacks)
     with STOP.cooperative():
         trainer.train(resume_from_checkpoint=last)
-    if STOP.requested:
+    # a collective: every rank has finished its part of the last save before rank 0 looks at the checkpoints
+    stop = world.any(STOP.requested)
+    # Then a barrier, so that no rank leaves right after that all-reduce. gloo's worker thread releases a finished
+    # all-reduce's tensors (which takes the GIL) just after the call returns; a rank leaving at once could free
+    # the process group first (the DDP model's last reference, GIL held, joining that thread): a deadlock at
+    # exit, ended by torchrun's SIGKILL 30 s later (seen in 2 of 5 SIGTERM stops on 2 CPU ranks). The barrier
+    # waits with the GIL released, while the thread lets go of the all-reduce.
+    world.barrier()
+    if stop:
+        if not world.main:
+            STOP.stop(f"rank {world.rank} stopped with rank 0 after step {trainer.state.global_step}")
         ckpt = last_complete_checkpoint(ckpt_dir)
         STOP.stop(f"the next run resumes from checkpoint {ckpt}" if ckpt else "the next run starts it over")
     out = stage_dir / "model"
-    trainer.save_model(str(out))
-    tokenizer.save_pretrained(str(out))
+    if trainer.is_fsdp_enabled:  # the final folder holds whole tensors (gathered to rank 0), as transformers loads
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+    trainer.save_model(str(out))  # a collective under FSDP; rank 0 alone writes (Trainer.args.should_save)
+    if world.main:
+        tokenizer.save_pretrained(str(out))
     return out
 
 

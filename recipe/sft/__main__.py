@@ -1,28 +1,79 @@
-"""`make sft`: SFT of the base model on the SFT split, loss on the model's own tokens only (TRL's SFTTrainer)."""
+"""`make sft`: SFT of the base model on the SFT split, loss on the model's own tokens only (TRL's SFTTrainer).
+
+launcher.num_processes > 1: this command re-runs itself under torchrun (recipe.launch.roles.relaunch), one
+process a rank, each running the Trainer on its share of every global batch (recipe.sft.train_supervised: DDP on
+CPU, FSDP2 on GPUs). Rank 0 does the stage's bookkeeping (lock, config.yaml, metrics.jsonl, the final model,
+manifest, DONE.json) and tells the other ranks where to train; they take no lock and write only their own RNG
+state into each checkpoint.
+"""
 from __future__ import annotations
+
+import sys
+from pathlib import Path
 
 import torch
 
 from recipe.data.schema import read_split
+from recipe.launch.roles import launched, relaunch
 from recipe.model import load_pretrained
+from recipe.rl.dist import World, close_world, init_world
 from recipe.runs import Stage, stage_main
-from recipe.sft import chat_dataset, train_supervised
+from recipe.sft import chat_dataset, per_device_batch, train_supervised
 
 
-def sft_stage(stage: Stage, upstream: dict) -> dict:
-    cfg = stage.cfg
-    rows = read_split(upstream["data"], "sft")
+def requires(cfg) -> tuple[str, ...]:
     # tiny: the model `make base` pretrained here; hub presets: the hub model at its pinned revision
-    base = cfg.model.hub_id or str(upstream["base"] / "model")
+    return ("data",) if cfg.model.hub_id else ("data", "base")
+
+
+def train(cfg, stage_dir: Path, data_dir: Path, base: str, world: World) -> Path:
+    rows = read_split(data_dir, "sft")
     model, tokenizer = load_pretrained(base, cfg.model.revision, cfg.model.dtype, cfg.model.attn_implementation)
-    out = train_supervised(model, tokenizer, chat_dataset(rows, tokenizer), cfg.sft, stage.dir,
-                           use_cpu=not torch.cuda.is_available())
-    return {"inputs": {"sft_data": upstream["data"] / "sft.parquet"}, "outputs": {"model": out}}
+    return train_supervised(model, tokenizer, chat_dataset(rows, tokenizer), cfg.sft, stage_dir,
+                            use_cpu=not torch.cuda.is_available(), world=world, key="sft")
 
 
-@stage_main
-def main(cfg):
-    Stage(cfg, "sft").run(sft_stage, requires=("data",) if cfg.model.hub_id else ("data", "base"))
+def lead(cfg, world: World) -> None:
+    """Rank 0 (or the one process): the stage's life; the other ranks learn from it whether, and where, to train."""
+    told = False
+
+    def body(stage: Stage, upstream: dict) -> dict:
+        nonlocal told
+        base = cfg.model.hub_id or str(upstream["base"] / "model")
+        world.broadcast((str(stage.dir), str(upstream["data"]), base))
+        told = True
+        out = train(stage.cfg, stage.dir, upstream["data"], base, world)
+        return {"inputs": {"sft_data": upstream["data"] / "sft.parquet"}, "outputs": {"model": out}}
+
+    try:
+        Stage(cfg, "sft").run(body, requires=requires(cfg))
+    finally:
+        if not told:  # skipped (already done) or refused: nothing for the other ranks to do
+            world.broadcast(None)
+
+
+def follow(cfg, world: World) -> None:
+    job = world.broadcast(None)
+    if job is not None:
+        stage_dir, data_dir, base = job
+        train(cfg, Path(stage_dir), Path(data_dir), base, world)
+
+
+def run(cfg, argv: list[str]) -> None:
+    per_device_batch(cfg.sft, "sft", cfg.launcher.num_processes)  # refused before any rank starts
+    if cfg.launcher.num_processes > 1 and not launched():
+        return relaunch(cfg, "sft", requires(cfg), "recipe.sft", argv, cfg.sft.threads)
+    world = init_world(cfg.launcher.collective_timeout_s, cpu=not torch.cuda.is_available())
+    try:
+        (lead if world.main else follow)(cfg, world)
+    finally:
+        close_world(world)
+
+
+def main(argv=None):
+    # the raw overrides are kept for the ranks' command line
+    argv = sys.argv[1:] if argv is None else list(argv)
+    return stage_main(lambda cfg: run(cfg, argv))(argv)
 
 
 if __name__ == "__main__":
