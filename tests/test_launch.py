@@ -96,6 +96,8 @@ def test_inconsistent_nodes_name_the_launcher_fields(tmp_path):
         placement(intellect3(tmp_path, "launcher.trainer_nodes=40"))
     with pytest.raises(ConfigError, match=r"launcher\.hsdp_replicas = 3 does not divide the 128 trainer ranks"):
         placement(intellect3(tmp_path, "launcher.hsdp_replicas=3"))
+    with pytest.raises(ConfigError, match=r"sft\.batch_size = 100 \(the global batch\) is not a multiple of the 128"):
+        placement(intellect3(tmp_path, "sft.batch_size=100"))
     with pytest.raises(ConfigError, match=r"launcher\.inference_tp.*rl\.vllm_tensor_parallel_size"):
         placement(intellect3(tmp_path, "launcher.inference_tp=4"))
 

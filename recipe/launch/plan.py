@@ -62,6 +62,9 @@ def _check_slurm(cfg) -> None:
     if la.inference_nodes < 1:
         problems.append("launcher.inference_nodes must be >= 1 (a policy server a node)")
     ranks = la.trainer_nodes * ranks_per_node(cfg)
+    if cfg.sft.batch_size % ranks:  # sft.sbatch runs SFT on the same trainer ranks
+        problems.append(f"sft.batch_size = {cfg.sft.batch_size} (the global batch) is not a multiple of the {ranks} "
+                        f"trainer ranks")
     if ranks % la.hsdp_replicas:
         problems.append(f"launcher.hsdp_replicas = {la.hsdp_replicas} does not divide the {ranks} trainer ranks")
     if la.gpus_per_node > 0 and not 1 <= la.inference_tp <= la.gpus_per_node:
