@@ -22,6 +22,7 @@ import torch
 from recipe.errors import ConfigError
 from recipe.eval.benchmarks import validate_benchmarks
 from recipe.inference.vllm import hf_server_command, server_command, server_env
+from recipe.launch.recipe_table import compare
 from recipe.launch.roles import INFERENCE_URLS_ENV, torchrun_on_nodes
 from recipe.model import count_params, meta_model
 from recipe.rl.trainer import optimizer_split
@@ -272,6 +273,20 @@ def describe(cfg, plan: dict, mem: dict | None, tput: dict) -> list[str]:
                  f"step ({rl.max_new_tokens} each)")
     if "rollouts_per_server" in tput:
         lines.append(f"  about {tput['rollouts_per_server']} rollouts a step per policy server")
+    return lines + production_values(cfg)
+
+
+def production_values(cfg) -> list[str]:
+    """docs/recipe.md §11 against this config: every row for the production preset, the count for the others."""
+    rows = compare(cfg)
+    same = sum(ok for _, _, ok in rows)
+    lines = [f"production values (docs/recipe.md §11): {same} of {len(rows)} as in INTELLECT-3's run"]
+    if cfg.preset != "intellect3":
+        return lines
+    width = max(len(row.key) for row, _, _ in rows)
+    for row, actual, ok in rows:
+        shown = actual if ok else f"{actual}   DIFFERS: the run had {row.value}"
+        lines.append(f"  {row.key:<{width}} = {shown}   [{row.source}]")
     return lines
 
 
