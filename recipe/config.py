@@ -254,6 +254,9 @@ class RLConfig:
     soak_steps: int = 200  # steps of `make soak` (RL with the memory of every process sampled)
     soak_sample_s: float = 1.0  # seconds between two memory samples of `make soak`
     pin_cores: bool = True  # hf engine on core 1, trainer on core 0: generation and training on separate cores
+    # recompute each decoder layer's activations in the backward (prime-rl train.toml [model.ac] freq = 1): memory
+    # for 51200-token samples at the cost of a second forward; off where memory is plenty (tiny)
+    activation_checkpointing: bool = False
     # online filter: drop groups whose rewards are all equal (no signal). prime-rl's production run had none
     # (its buffer filter is commented out at PR 1272): such groups stay in the batch with advantage 0
     online_filter: bool = True

@@ -193,3 +193,25 @@ def test_bf16_compute_keeps_float32_master_weights_that_a_tiny_lr_still_moves(tm
     assert moved > 0.5 and moved_in_bf16 < 0.05, (moved, moved_in_bf16)  # bf16 weights would keep 95% unmoved
     published = read_weights(publish_weights(model, tmp_path / "weights", 1, dtype=torch.bfloat16))
     assert {v.dtype for v in published.values() if v.is_floating_point()} == {torch.bfloat16}  # engines: bf16
+
+
+def test_activation_checkpointing_takes_the_same_step(tmp_path):
+    """rl.activation_checkpointing (the production run's [model.ac]) recomputes activations: the same step."""
+    from recipe.rl.dist import World, load_sharded
+    from tests.fakes import save_tiny_qa_model
+
+    save_tiny_qa_model(tmp_path / "start")
+    states = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model, tok = load_sharded(tmp_path / "start", World(), 1, "float32", "sdpa", checkpointed)
+        assert model.is_gradient_checkpointing == checkpointed
+        cfg = RLConfig(optimizer="adamw", lr=1e-3, micro_batch_size=2)
+        opt = build_optimizer(model, cfg)
+        batch = [Sample([5, 6, 7], [8 + i, 9, 10, 11], [-5.0] * 4, [1] * 4, 1.0 if i % 2 else -1.0, 0.0, 0, "math")
+                 for i in range(4)]
+        train_step(model, opt, build_scheduler(opt, 0), CPU, batch, cfg, tok.pad_token_id)
+        states.append({k: v.clone() for k, v in model.state_dict().items()})
+    assert max((states[0][k] - states[1][k]).abs().max().item() for k in states[0]) < 1e-6
+    assert any(not torch.equal(states[0][k], v) for k, v in load_sharded(tmp_path / "start", World(), 1, "float32",
+                                                                          "sdpa")[0].state_dict().items())

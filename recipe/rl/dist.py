@@ -146,7 +146,8 @@ def shard_model(model, world: World, replicas: int = 1, compute_dtype: torch.dty
             m.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
 
 
-def load_sharded(path, world: World, replicas: int, dtype: str, attn_implementation: str):
+def load_sharded(path, world: World, replicas: int, dtype: str, attn_implementation: str,
+                 activation_checkpointing: bool = False):
     """(model, tokenizer) for training on this rank, its parameters float32 whatever `dtype` (the model's compute
     dtype, bf16 for the real presets): they are the master weights the optimizer updates, as in prime-rl. In bf16 a
     step of lr 1e-6 would round away on most weights (bf16 keeps 8 bits of mantissa). Forward and backward run in
@@ -157,12 +158,13 @@ def load_sharded(path, world: World, replicas: int, dtype: str, attn_implementat
     device and shards it; rank 0 alone reads the weights and sends each rank its shards (set_model_state_dict with
     broadcast_from_rank0), so no rank but rank 0 ever holds the whole model (106B parameters would not fit a GPU,
     nor 8 copies a node's memory). The non-persistent buffers (the rotary frequencies) are not in a state dict:
-    rank 0's are broadcast as well."""
+    rank 0's are broadcast as well. activation_checkpointing: each decoder layer recomputes its activations in
+    the backward (transformers' gradient checkpointing, non-reentrant, which FSDP2 takes)."""
     compute = getattr(torch, dtype)
     master = "float32"
     if not world.distributed:
         model, tokenizer = load_pretrained(str(path), dtype=master, attn_implementation=attn_implementation)
-        return model.to(world.device), tokenizer
+        return _checkpointed(model.to(world.device), activation_checkpointing), tokenizer
     model, tokenizer = load_pretrained(str(path), dtype=master, attn_implementation=attn_implementation,
                                        weights=False)
     source = load_pretrained(str(path), dtype=master, attn_implementation=attn_implementation)[0] if world.main \
@@ -177,4 +179,10 @@ def load_sharded(path, world: World, replicas: int, dtype: str, attn_implementat
         dist.broadcast(value, src=0)
         buf.copy_(value)
     del source, full
-    return model, tokenizer
+    return _checkpointed(model, activation_checkpointing), tokenizer
+
+
+def _checkpointed(model, on: bool):
+    if on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model

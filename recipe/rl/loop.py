@@ -70,7 +70,7 @@ def run_rl(cfg, stage_dir, start_model, world: World = World()):
 def _rl_loop(cfg, stage_dir, start_model, world: World):
     rl = cfg.rl
     model, tokenizer = load_sharded(start_model, world, cfg.launcher.hsdp_replicas, cfg.model.dtype,
-                                    cfg.model.attn_implementation)
+                                    cfg.model.attn_implementation, rl.activation_checkpointing)
     compute = getattr(torch, cfg.model.dtype)  # the engines' and the forward's dtype; the parameters are float32
     optimizer = build_optimizer(model, rl)  # after sharding: under FSDP2 the parameters are the sharded ones
     schedulers = build_scheduler(optimizer, rl.warmup_steps)
