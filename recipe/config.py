@@ -45,6 +45,11 @@ class EngineKind(StrEnum):
     vllm = "vllm"
 
 
+class JudgePrompt(StrEnum):
+    cot = "cot"  # CompassVerifier's CV_COT_PROMPT: analysis, then \\boxed{A/B/C} (prime-environments' i3-math)
+    direct = "direct"  # CompassVerifier's CV_PROMPT: the letter alone (cheaper; CompassVerifier's own default)
+
+
 class OptimizerKind(StrEnum):
     adamw = "adamw"
     muon = "muon"
@@ -216,12 +221,21 @@ class TrainConfig:
 
 @dataclass
 class JudgeConfig:
-    """The LLM judge of the verifiers (INTELLECT-3: CompassVerifier-7B), served by a 1-node job of its own."""
-    hub_id: Optional[str] = None  # null: no judge
+    """The LLM judge of the verifiers (INTELLECT-3: CompassVerifier-7B), served by a 1-node job of its own. With
+    `enabled`, the math and science environments ask it about the answers their rules marked wrong
+    (recipe/envs/judge.py); a judge that fails leaves the rule's verdict, and is counted."""
+    hub_id: Optional[str] = None  # null: no judge job to launch
     revision: Optional[str] = None
     data_parallel: int = 8
     tensor_parallel: int = 1
     port: int = 8000
+    enabled: bool = False  # the verifiers call the judge (RL only; eval grades by rules)
+    url: Optional[str] = None  # the judge server's address; null: $RECIPE_JUDGE_URL, which the RL job exports
+    prompt: JudgePrompt = JudgePrompt.cot
+    max_tokens: int = 1024  # the judge's reply, at most (greedy); a cot reply cut short has no verdict
+    timeout_s: float = 120.0  # one request
+    tries: int = 3  # requests a verdict, the first included, while the judge is unreachable or times out
+    cooldown_s: float = 30.0  # after a verdict that failed every try, the judge is not asked for this long
 
 
 @dataclass
@@ -498,6 +512,10 @@ RANGES: dict[str, Range] = {
     "rl.judge.data_parallel": AT_LEAST_1,
     "rl.judge.tensor_parallel": AT_LEAST_1,
     "rl.judge.port": AT_LEAST_1,
+    "rl.judge.max_tokens": AT_LEAST_1,
+    "rl.judge.timeout_s": POSITIVE,
+    "rl.judge.tries": AT_LEAST_1,
+    "rl.judge.cooldown_s": AT_LEAST_0,
 }
 
 
@@ -632,6 +650,9 @@ def validate(cfg) -> None:
     if cfg.rl.max_off_policy_steps < cfg.rl.max_async_level:
         _fail(f"rl.max_off_policy_steps ({cfg.rl.max_off_policy_steps}) must be >= rl.max_async_level "
               f"({cfg.rl.max_async_level}): the engine would cancel requests the trainer may still take")
+    judge_url = cfg.rl.judge.url
+    if judge_url is not None and not re.match(r"https?://[^/\s]+", judge_url):
+        _fail(f"rl.judge.url must be an http(s) address (http://host:port), got {judge_url!r}")
     m = cfg.model
     if m.params_total_b is not None and m.params_active_b is not None and m.params_active_b > m.params_total_b:
         _fail(f"model.params_active_b ({m.params_active_b}) must be <= model.params_total_b ({m.params_total_b})")

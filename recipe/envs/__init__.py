@@ -11,10 +11,13 @@ ENVIRONMENTS = {"math": MathEnv, "logic": LogicEnv, "science": ScienceEnv, "code
                 "tools": ToolsEnv}
 
 
-def get_env(name: str) -> Environment:
+def get_env(name: str, judge=None) -> Environment:
+    """A new environment `name`; `judge` (recipe.envs.judge.Judge) re-checks the rule-negative answers of the
+    environments that take one (math, science), and is ignored by the others."""
     if name not in ENVIRONMENTS:
         raise KeyError(f"unknown environment '{name}' (known: {sorted(ENVIRONMENTS)})")
-    return ENVIRONMENTS[name]()
+    cls = ENVIRONMENTS[name]
+    return cls(judge=judge) if cls.uses_judge else cls()
 
 
 __all__ = ["Environment", "MaskSample", "RewardResult", "get_env", "ENVIRONMENTS"]

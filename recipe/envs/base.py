@@ -57,6 +57,7 @@ class RewardResult:
     errors: list = field(default_factory=list)
     masked: bool = False  # not judged (infrastructure failure): drop the sample, do not score it 0
     mask_reason: str | None = None
+    counts: dict = field(default_factory=dict)  # events the RL orchestrator adds to its counters (judge_calls, ...)
 
 
 class Environment:
@@ -66,6 +67,7 @@ class Environment:
     reward_timeout_s: float = 30.0  # per reward function call; a verifier that hangs costs the sample only
     score_in_parallel: bool = False  # its samples may be scored several at a time (sandboxed processes)
     multi_turn: bool = False  # the environment replies to tool calls (tool_reply) and the model goes on
+    uses_judge: bool = False  # its constructor takes judge= (recipe.envs.judge.Judge or None): get_env passes it
     max_turns: int = 1  # model turns per sample, the final answer included
 
     def prompt(self, row: dict) -> list[dict]:

@@ -1,6 +1,7 @@
 """Science: multiple choice (GPQA, MMLU-Pro, HLE's multiple-choice rows) graded on the option letter; rows
 without options (INTELLECT-3-RL's science subset) graded by math-verify, as INTELLECT-3's science environment
-does before its LLM judge (the judge is not reproduced here).
+does, and then, with a judge (rl.judge.enabled), the answers math-verify rejects judged again by the LLM judge
+(recipe/envs/judge.py), as there. Multiple-choice rows are never sent to the judge: the letter decides.
 
 A row is multiple choice when its info carries `letters` (the valid option letters) and its answer is the gold
 letter. The letter is read from the final answer (after </think>) by the first rule that applies:
@@ -15,8 +16,10 @@ from __future__ import annotations
 import json
 import re
 
+from recipe.chat import parse_final_answer
 from recipe.envs.answers import last_boxed, unwrap_tex
-from recipe.envs.base import Environment
+from recipe.envs.base import Environment, RewardResult
+from recipe.envs.judge import Judge, question_of
 from recipe.envs.math import math_correct
 
 _LABEL = re.compile(r"^[\s*_]*[(\[]?\s*([A-Z])\s*(?:[)\].:]|$)")
@@ -41,9 +44,12 @@ def extract_letter(answer: str, letters: str = "ABCDEFGHIJ") -> str | None:
     return None
 
 
+def _letters(row: dict) -> str | None:
+    return json.loads(row.get("info") or "{}").get("letters")
+
+
 def science_correct(answer: str, row: dict) -> float:
-    info = json.loads(row.get("info") or "{}")
-    letters = info.get("letters")
+    letters = _letters(row)
     if letters:
         return float(extract_letter(answer, letters) == str(row["answer"]).strip())
     return math_correct(answer, row)
@@ -52,3 +58,15 @@ def science_correct(answer: str, row: dict) -> float:
 class ScienceEnv(Environment):
     name = "science"
     rubric = [("correct", science_correct, 1.0)]
+    uses_judge = True
+
+    def __init__(self, judge: Judge | None = None):
+        self.judge = judge
+        self.score_in_parallel = judge is not None  # a judge call waits on the network: several at a time
+
+    def score(self, completion: str, row: dict) -> RewardResult:
+        result = super().score(completion, row)
+        if self.judge is None or _letters(row):
+            return result
+        return self.judge.recheck(result, parse_final_answer(completion), question_of(self.prompt(row)),
+                                  row["answer"])

@@ -208,10 +208,13 @@ def rl_summary(rl: list[dict]) -> str:
         return ""
     total = lambda key: sum(r.get(key, 0) for r in rl)  # noqa: E731
     step_s = sum(r["step_s"] for r in rl[1:]) / max(1, len(rl) - 1)  # step 1 includes the engine's first fill
+    judge = (f"The LLM judge was asked about {total('judge_calls')} answers the rules marked wrong: "
+             f"{total('judge_flips')} found right, {total('judge_errors')} without a verdict (the rules' stood).\n"
+             if total("judge_calls") else "")
     return (f"\nRL ({len(rl)} steps, mean {step_s:.2f} s a step after the first): {total('tool_calls')} tool "
             f"calls answered, {total('masked_samples')} samples masked (a sandbox or tool failure), "
             f"{total('reward_errors')} reward-function errors, {total('filtered_groups')} groups filtered out "
-            f"(all rewards equal), {total('stale_groups')} dropped as stale.\n")
+            f"(all rewards equal), {total('stale_groups')} dropped as stale.\n" + judge)
 
 
 def _read_metrics(path: Path) -> list[dict]:

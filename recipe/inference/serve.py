@@ -22,6 +22,12 @@ What it is: the endpoints VLLMEngine calls, answered as vLLM 0.32 answers them (
   with vLLM's message, when the prompt plus max_tokens exceed max_model_len, and for any option this server
   would otherwise ignore (n > 1, streaming, echo, stop strings, penalties, top_k > 0, logprobs > 0, ...), rather
   than sample something else than was asked; 404 for another model name.
+- POST /v1/chat/completions (what the LLM judge's client, recipe/envs/judge.py, calls): the messages (text
+  content only) rendered by the model folder's chat template with the assistant's turn opened, as vLLM does by
+  default, then generated as a /v1/completions request with the same sampling fields; max_completion_tokens or
+  max_tokens, absent: up to max_model_len (vLLM's chat default). The answer has vLLM's chat shape:
+  choices[0].message {role "assistant", content}, finish_reason, stop_reason, usage. Tools, chat-template
+  overrides and logprobs are refused (HTTP 400), as is a model folder without a chat template.
 - POST /collective_rpc with method RELOAD_METHOD (recipe.inference.vllm.worker_ext) and args [path]: loads the
   state dict the trainer published there (one safetensors file, or a folder of shards with its index:
   recipe.weights.read_weights), in transformers' layout, as HFEngine.update_weights does, and answers
@@ -201,6 +207,57 @@ def parse_request(body, *, tokenizer, vocab_size: int, max_model_len: int, next_
     params = SamplingParams(max_new_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     return Asked(ids, params, stops, eos, logprobs is not None, bool(body.get("return_tokens_as_token_ids")),
                  bool(body.get("skip_special_tokens", True)))
+
+
+# chat fields this server does not implement, with the values that mean "not used" (the rest go on to
+# parse_request, which refuses the sampling options it does not implement)
+CHAT_NOT_USED = {
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, False, True),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}), "continue_final_message": (None, False),
+    "add_generation_prompt": (None, True), "documents": (None,), "logprobs": (None, False), "top_logprobs": (None, 0),
+}
+CHAT_ONLY = set(CHAT_NOT_USED) | {"messages", "max_completion_tokens", "max_tokens"}
+
+
+def chat_request(body, tokenizer) -> dict:
+    """A /v1/chat/completions body as the /v1/completions body it amounts to: the prompt is the messages rendered
+    by the chat template with the assistant's turn opened, as token ids (vLLM adds no special tokens to a
+    rendered chat); the length is max_completion_tokens, else max_tokens, else up to the context."""
+    if not isinstance(body, dict):
+        raise HTTPError(400, "the request body must be a JSON object")
+    msgs = body.get("messages")
+    if (not isinstance(msgs, list) or not msgs
+            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                       for m in msgs)):
+        raise HTTPError(400, "messages must be a non-empty list of {role, content} with text content (this server "
+                             "takes no content parts)")
+    for key, unused in CHAT_NOT_USED.items():
+        v = body.get(key)
+        if not any(v is u or (v == u and isinstance(v, bool) == isinstance(u, bool)) for u in unused):
+            raise HTTPError(400, f"{key}={v!r} is not supported by this server (recipe.inference.serve, "
+                                 f"a CPU stand-in for vLLM)")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise HTTPError(400, "the model folder's tokenizer has no chat template: use /v1/completions")
+    text = tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in msgs],
+                                         tokenize=False, add_generation_prompt=True)
+    out = {k: v for k, v in body.items() if k not in CHAT_ONLY}
+    length = body.get("max_completion_tokens")
+    out["max_tokens"] = length if length is not None else body.get("max_tokens")
+    out["prompt"] = tokenizer.encode(text, add_special_tokens=False)
+    return out
+
+
+def chat_response(completion: dict) -> dict:
+    """vLLM's /v1/chat/completions answer, from the /v1/completions answer of the same generation."""
+    choice = completion["choices"][0]
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": completion["created"],
+        "model": completion["model"],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": choice["text"], "tool_calls": []},
+                     "logprobs": None, "finish_reason": choice["finish_reason"],
+                     "stop_reason": choice["stop_reason"]}],
+        "usage": completion["usage"],
+    }
 
 
 def completion_response(asked: Asked, c: Completion, tokenizer) -> dict:
@@ -401,6 +458,11 @@ class Service:
                               max_model_len=self.max_model_len, next_seed=self.next_seed)
         return completion_response(asked, self.scheduler.generate(asked), self.tokenizer)
 
+    def chat(self, body) -> dict:
+        asked = parse_request(chat_request(body, self.tokenizer), tokenizer=self.tokenizer,
+                              vocab_size=self.vocab_size, max_model_len=self.max_model_len, next_seed=self.next_seed)
+        return chat_response(completion_response(asked, self.scheduler.generate(asked), self.tokenizer))
+
     def collective_rpc(self, body) -> dict:
         if not isinstance(body, dict) or body.get("method") != RELOAD_METHOD:
             method = body.get("method") if isinstance(body, dict) else None
@@ -472,6 +534,8 @@ def make_handler(service: Service):
             path = urlparse(self.path).path
             if path == "/v1/completions":
                 self.answer(lambda: service.complete(self.read_body()))
+            elif path == "/v1/chat/completions":
+                self.answer(lambda: service.chat(self.read_body()))
             elif path == "/collective_rpc":
                 self.answer(lambda: service.collective_rpc(self.read_body()))
             elif path == "/reset_prefix_cache":  # nothing is cached across batches

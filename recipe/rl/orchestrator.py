@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from recipe.chat import completion_text, encode_prompt
 from recipe.data.schema import too_easy
 from recipe.envs import get_env
+from recipe.envs.judge import judge_from_config
 from recipe.errors import ConfigError, StageError
 from recipe.inference.engine import Cancelled, Done, Engine, Event, Request
 from recipe.rollout import Completion, SamplingParams, Transcript, next_reply, score_in_threads, score_sample
@@ -110,7 +111,8 @@ class Orchestrator:
         if unknown:
             raise ConfigError(f"rl.env_mix names environment(s) {unknown} with no RL rows "
                               f"(the data has {sorted(self.rows)})")
-        self.envs = {name: get_env(name) for name in self.rows}
+        judge = judge_from_config(getattr(rl_cfg, "judge", None))  # math and science re-check rule negatives
+        self.envs = {name: get_env(name, judge=judge) for name in self.rows}
         self.mix = [(e, w) for e, w in rl_cfg.env_mix.items() if w > 0]
         self.rng = random.Random(seed)
         self.cursor = {e: 0 for e in self.rows}
@@ -269,6 +271,7 @@ class Orchestrator:
         for res in score_in_threads(score_one, completions, lambda c: env.score_in_parallel):
             if res.errors:
                 self.counters["reward_errors"] += len(res.errors)
+            self.counters.update(res.counts)  # the judge's calls, flips and errors
             if res.masked:  # not a wrong answer: the sample leaves the loss and the group mean
                 self.counters["samples_masked"] += 1
             group.rewards.append(res.reward)
@@ -411,6 +414,9 @@ class Orchestrator:
             "stale_groups": delta["groups_stale"],
             "cancelled_requests": delta["requests_cancelled"],
             "reward_errors": delta["reward_errors"],
+            "judge_calls": delta["judge_calls"],  # rule-negative answers sent to the LLM judge (rl.judge)
+            "judge_flips": delta["judge_flips"],  # ... that it found right
+            "judge_errors": delta["judge_errors"],  # ... that it gave no verdict on: the rule's stands
             "masked_samples": delta["samples_masked"],
             "tool_calls": delta["tool_calls"],
             "out_of_context_samples": delta["samples_out_of_context"],
