@@ -249,6 +249,13 @@ class RLConfig:
     lr: float = 2e-4
     warmup_steps: int = 0  # linear warmup, then constant (INTELLECT-3 ran a constant LR)
     weight_decay: float = 0.01
+    # rl.optimizer=muon (recipe.rl.muon): momentum, and whether the update direction is the Nesterov one
+    muon_momentum: float = 0.95
+    muon_nesterov: bool = False
+    # AdamW: the whole model (rl.optimizer=adamw) or Muon's AdamW group; torch's defaults here
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
     max_grad_norm: float = 1.0
     max_async_level: int = 1
     max_off_policy_steps: int = 8
@@ -456,6 +463,10 @@ RANGES: dict[str, Range] = {
     "rl.lr": POSITIVE,
     "rl.warmup_steps": AT_LEAST_0,
     "rl.weight_decay": AT_LEAST_0,
+    "rl.muon_momentum": Range(0, 1, high_open=True),
+    "rl.adam_beta1": Range(0, 1, high_open=True),
+    "rl.adam_beta2": Range(0, 1, high_open=True),
+    "rl.adam_eps": POSITIVE,
     "rl.max_grad_norm": POSITIVE,
     "rl.max_async_level": AT_LEAST_0,  # 0: the synchronous baseline
     "rl.max_off_policy_steps": AT_LEAST_0,

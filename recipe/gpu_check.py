@@ -11,7 +11,7 @@ On one device it builds a GLM-4-MoE (Glm4MoeForCausalLM, through recipe.model.bu
 2. RL, every step as recipe.rl.loop does it: the recipe's hf engine (recipe.inference.hf.HFEngine, its
    KV-cached decode loop) generates a batch of rollouts on the device; the recipe's train_step
    (recipe.rl.trainer, the masked importance-sampling loss of recipe.rl.loss) takes one optimizer step on them
-   with the recipe's optimizer (build_optimizer: Muon on the hidden matrices + AdamW), with the RL settings of
+   with the recipe's optimizer (build_optimizer: Muon on the weight matrices + AdamW), with the RL settings of
    preset=intellect3 (temperature 1.05, Muon, its masking band); the new weights are published with
    publish_weights (recipe.weights: safetensors on disk) and read back into the engine with update_weights.
 

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import torch  # noqa: E402
+from torch.distributed.tensor import DTensor, distribute_tensor  # noqa: E402
 
 from recipe.config import RLConfig  # noqa: E402
 from recipe.envs.base import RewardResult  # noqa: E402
@@ -60,6 +61,19 @@ def step(model, opt, sch, cfg, batch, world: World, pad_id: int) -> dict:
     return train_step(model, opt, sch, torch.device("cpu"), share, cfg, pad_id, world)
 
 
+def fixed_gradient_steps(model, opt) -> None:
+    """Two optimizer steps (the second on top of the first's momentum) on gradients drawn from seeds: the same
+    whole tensors in every run, each rank given its shard of them. The optimizer alone, with no backward whose
+    rounding differs between 1 and 2 ranks."""
+    for s in range(2):
+        for i, (_, p) in enumerate(model.named_parameters()):
+            g = torch.randn(p.shape, generator=torch.Generator().manual_seed(1000 * s + i), dtype=p.dtype)
+            p.grad = distribute_tensor(g, p.device_mesh, p.placements, src_data_rank=None) \
+                if isinstance(p, DTensor) else g
+        opt.step()
+        opt.zero_grad()
+
+
 def steps_mode(folder: Path) -> None:
     """Rank r of 2: writes under <folder>/ranks what the test compares with its one-process run."""
     torch.set_num_threads(1)
@@ -93,6 +107,12 @@ def steps_mode(folder: Path) -> None:
         model, opt, sch, cfg, _ = trainer(start, "muon", world)
         step(model, opt, sch, cfg, a, world, tok.pad_token_id)
         muon = full_state_dict(model, world)
+        model, opt, sch, cfg, _ = trainer(start, "muon", world)
+        fixed_gradient_steps(model, opt)
+        muon_fixed = full_state_dict(model, world)
+        model, opt, sch, cfg, _ = trainer(start, "muon", world, replicas=2)  # a 2-D mesh: (replicate, shard)
+        fixed_gradient_steps(model, opt)
+        muon_fixed_hsdp = full_state_dict(model, world)
         # HSDP: 2 replicas of 1 shard each (prime-rl's 2-way replication, at the smallest size)
         model, opt, sch, cfg, _ = trainer(start, "adamw", world, replicas=2)
         step(model, opt, sch, cfg, a, world, tok.pad_token_id)
@@ -100,7 +120,7 @@ def steps_mode(folder: Path) -> None:
         if world.main:
             (out / "stats.json").write_text(json.dumps(stats))
             torch.save({"after_b": after_b, "resumed_from_single": resumed, "resumed_step": at, "muon": muon,
-                        "hsdp": hsdp},
+                        "muon_fixed": muon_fixed, "muon_fixed_hsdp": muon_fixed_hsdp, "hsdp": hsdp},
                        out / "states.pt")
     finally:
         close_world(world)

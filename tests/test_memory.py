@@ -100,4 +100,5 @@ def test_glm45_air_counted_from_its_architecture_matches_the_model_card():
     assert abs(total / 106e9 - 1) < 0.03, total  # the card's 106B total
     assert abs(active / 12e9 - 1) < 0.10, active  # and 12B active
     counts = param_counts(cfg)
-    assert counts["muon"] + counts["adamw"] == total and 0 < counts["muon"] < counts["adamw"]
+    # Muon takes all but the embeddings, the head, norms and biases (tests/test_muon.py): 98.84%
+    assert counts["muon"] + counts["adamw"] == total and 0.988 < counts["muon"] / total < 0.989

@@ -42,15 +42,19 @@ def samples():
     return out
 
 
-def test_muon_goes_on_hidden_matrices_adamw_on_the_rest():
+def test_muon_takes_every_weight_matrix_but_embeddings_and_head_adamw_the_rest():
     model = tiny_model()
     opt = build_optimizer(model, RLConfig(optimizer="muon", lr=1e-3))
     muon, adamw = opt.optimizers
     muon_ids = {id(p) for g in muon.param_groups for p in g["params"]}
     names = {id(p): n for n, p in model.named_parameters()}
-    assert muon_ids and all(names[i].endswith("proj.weight") for i in muon_ids)
-    assert not any("mlp.experts." in names[i] or "mlp.gate." in names[i] for i in muon_ids)
-    assert not any("embed" in names[i] or "lm_head" in names[i] for i in muon_ids)
+    assert {names[i] for i in muon_ids} == {n for n, p in model.named_parameters()
+                                            if p.ndim >= 2 and "embed_tokens" not in n and "lm_head" not in n}
+    muon_names = {names[i] for i in muon_ids}
+    assert {"model.layers.1.mlp.gate.weight", "model.layers.1.mlp.experts.gate_up_proj",
+            "model.layers.1.mlp.experts.down_proj"} <= muon_names  # the router and the 3-D experts
+    assert all(p.ndim < 2 or "embed" in names[id(p)] or "lm_head" in names[id(p)]
+               for g in adamw.param_groups for p in g["params"])
     assert sum(len(g["params"]) for o in opt.optimizers for g in o.param_groups) == len(list(model.parameters()))
 
 

@@ -1,10 +1,11 @@
 """The RL trainer: optimizer, one training step on a batch of samples, checkpoints that resume exactly.
 
 One process, or FSDP2 over several ranks (recipe.rl.dist): the same step, loss and checkpoints either way. Muon
-follows prime-rl: torch.optim.Muon on the 2-D weight matrices of the hidden layers, AdamW on everything else
-(embeddings, output head, norms, biases, router, and the 3-D stacked expert weights Muon does not take). On
-FSDP2 shards torch.optim.Muon still orthogonalises whole matrices: its DTensor ops gather each one (see
-docs/architecture.md, "Ranks").
+follows prime-rl's production run: dion's Muon (recipe.rl.muon) on every weight with ndim >= 2 but the
+embeddings and the output head (attention, dense MLP, shared experts, router and the 3-D routed experts, each
+expert matrix on its own), AdamW on the rest (embeddings, head, norms, biases). On FSDP2 shards each rank
+orthogonalises its own experts and gathers the 2-D matrices whole (recipe.rl.muon; docs/architecture.md,
+"Ranks").
 
 Checkpoints are torch.distributed.checkpoint (DCP) folders at any world size, so a run saved by N ranks resumes
 on M: model and optimizer state are keyed by parameter name and DCP reshards them on load.
@@ -32,6 +33,7 @@ from recipe.config import OptimizerKind
 from recipe.errors import StageError
 from recipe.rl.dist import World
 from recipe.rl.loss import completion_logprobs, masked_is_loss
+from recipe.rl.muon import Muon
 from recipe.runs import torch_save_problem, write_atomic
 from recipe.weights import remove_weights, write_weights
 
@@ -63,9 +65,17 @@ class CombinedOptimizer:
 
 
 def takes_muon(name: str, param) -> bool:
-    """Whether Muon updates this parameter (rl.optimizer=muon): a 2-D weight matrix of the hidden layers."""
-    return (param.ndim == 2 and "embed_tokens" not in name and "lm_head" not in name
-            and ".gate." not in name)  # the router's weight (mlp.gate.weight), not mlp.gate_proj
+    """Whether Muon updates this parameter (rl.optimizer=muon): every weight with ndim >= 2 but the embeddings and
+    the output head, as prime-rl's muon_enabled (trainer/optim.py:28-35 at PR 1272): attention, dense MLP, shared
+    experts, the router (mlp.gate.weight) and the routed experts' 3-D tensors."""
+    return param.ndim >= 2 and "embed_tokens" not in name and "lm_head" not in name
+
+
+def row_blocks(name: str) -> int:
+    """How many matrices a Muon parameter stacks along its rows: 2 for transformers' fused expert gate_up_proj
+    ([experts, 2 x intermediate, hidden], gate rows then up rows), which prime-rl's model holds as two tensors
+    (w1 and w3, trainer/models/layers/moe.py:153-155), so Muon orthogonalises gate and up apart; 1 otherwise."""
+    return 2 if name.endswith("mlp.experts.gate_up_proj") else 1
 
 
 def optimizer_split(named_parameters, optimizer: OptimizerKind) -> tuple[list, list]:
@@ -78,12 +88,17 @@ def optimizer_split(named_parameters, optimizer: OptimizerKind) -> tuple[list, l
 
 
 def build_optimizer(model, rl_cfg):
+    """rl.optimizer=muon: recipe.rl.muon.Muon on optimizer_split's Muon share (momentum rl.muon_momentum,
+    nesterov rl.muon_nesterov), torch AdamW on the rest; rl.optimizer=adamw: AdamW on everything. Both with
+    rl.lr and rl.weight_decay (decoupled); AdamW with betas (rl.adam_beta1, rl.adam_beta2) and eps rl.adam_eps."""
     muon, adamw = optimizer_split(model.named_parameters(), rl_cfg.optimizer)
     optimizers = []
-    if rl_cfg.optimizer == OptimizerKind.muon:
-        optimizers.append(torch.optim.Muon([p for _, p in muon], lr=rl_cfg.lr, weight_decay=rl_cfg.weight_decay,
-                                           adjust_lr_fn="match_rms_adamw"))
-    optimizers.append(torch.optim.AdamW([p for _, p in adamw], lr=rl_cfg.lr, weight_decay=rl_cfg.weight_decay))
+    if muon:
+        groups = [{"params": [p for n, p in muon if row_blocks(n) == k], "row_blocks": k} for k in (1, 2)]
+        optimizers.append(Muon([g for g in groups if g["params"]], lr=rl_cfg.lr, momentum=rl_cfg.muon_momentum,
+                               nesterov=rl_cfg.muon_nesterov, weight_decay=rl_cfg.weight_decay))
+    optimizers.append(torch.optim.AdamW([p for _, p in adamw], lr=rl_cfg.lr, weight_decay=rl_cfg.weight_decay,
+                                        betas=(rl_cfg.adam_beta1, rl_cfg.adam_beta2), eps=rl_cfg.adam_eps))
     return CombinedOptimizer(optimizers)
 
 
