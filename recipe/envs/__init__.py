@@ -11,10 +11,11 @@ ENVIRONMENTS = {"math": MathEnv, "logic": LogicEnv, "science": ScienceEnv, "code
                 "tools": ToolsEnv}
 
 
-def get_env(name: str) -> Environment:
+def get_env(name: str, **options) -> Environment:
+    """An environment; options go to its constructor (code: max_tests)."""
     if name not in ENVIRONMENTS:
         raise KeyError(f"unknown environment '{name}' (known: {sorted(ENVIRONMENTS)})")
-    return ENVIRONMENTS[name]()
+    return ENVIRONMENTS[name](**options)
 
 
 __all__ = ["Environment", "MaskSample", "RewardResult", "get_env", "ENVIRONMENTS"]
