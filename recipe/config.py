@@ -192,8 +192,11 @@ class DataConfig:
     rl_dataset: HubDataset = field(default_factory=HubDataset)
     max_rows: Optional[int] = None  # cap per subset, for smoke runs
     hub_timeout_s: float = 10.0
-    # offline difficulty filter: prompts whose precomputed pass rate is above this are dropped
-    max_pass_rate: float = 0.874
+    # the offline difficulty filter, applied by `make data` alone (recipe.data.schema.too_easy): environment (RL
+    # subset) -> threshold; a prompt of a listed environment whose precomputed pass rate is above it is dropped,
+    # an environment not listed is not filtered, a row without a pass rate is kept. Hub data only (tiny rows
+    # carry a task level in `difficulty`). INTELLECT-3: {math: 0.874}, code unfiltered
+    max_pass_rate: Dict[str, float] = field(default_factory=dict)
     pass_rate_column: str = "avg@8_qwen3_4b_thinking_2507"
 
 
@@ -281,8 +284,20 @@ class RLConfig:
     # online filter: drop groups whose rewards are all equal (no signal). prime-rl's production run had none
     # (its buffer filter is commented out at PR 1272): such groups stay in the batch with advantage 0
     online_filter: bool = True
-    # offline filter on rows' precomputed pass rate (the difficulty column of hub data); null = off
-    max_pass_rate: Optional[float] = None
+    # the offline pass-rate filter is data.max_pass_rate, applied by `make data`: RL trains on the rl split as is
+    # prompt + completion of a sample never exceed this (prime-rl's seq_len): a request asks for at most
+    # min(max_new_tokens, context - tokens so far) new tokens, the context being the least of the model's, the
+    # server's and seq_len; a prompt that leaves no room is left out and counted. null: the model's context
+    seq_len: Optional[int] = None
+    # a sample the verifier could not judge (a sandbox or tool failure: MaskSample) leaves the loss and its group's
+    # mean (true), or scores 0 like a wrong answer (false: prime-rl, which has no sample masking)
+    mask_sandbox_failures: bool = True
+    # the code environment runs at most this many of a problem's tests, the same ones every time (sampled with
+    # the row's id as seed; prime-environments' i3-code: 15); null: every test. Eval runs every test
+    code_max_tests: Optional[int] = 15
+    # code reward: the share of tests passed (true: the tiny preset's choice, a gradient before whole programs pass)
+    # or 1 only when all pass (false: prime-rl's i3-code)
+    code_partial_credit: bool = True
     # vllm engine (GPU presets)
     vllm_port: int = 8011
     vllm_gpu_memory_utilization: float = 0.5
@@ -447,7 +462,7 @@ RANGES: dict[str, Range] = {
     "data.extra_tasks[].difficulty": AT_LEAST_0,
     "data.max_rows": AT_LEAST_1,
     "data.hub_timeout_s": POSITIVE,
-    "data.max_pass_rate": SHARE,
+    "data.max_pass_rate": SHARE,  # each environment's threshold
     # base and sft (TRL's SFTTrainer: max_steps -1 would mean "whole epochs", so steps are >= 1 here)
     **{f"{t}.{k}": r for t in ("base", "sft") for k, r in {
         "max_steps": AT_LEAST_1, "batch_size": AT_LEAST_1, "grad_accum": AT_LEAST_1, "lr": POSITIVE,
@@ -483,7 +498,8 @@ RANGES: dict[str, Range] = {
     "rl.bench_steps": AT_LEAST_1,
     "rl.soak_steps": AT_LEAST_1,
     "rl.soak_sample_s": POSITIVE,
-    "rl.max_pass_rate": SHARE,
+    "rl.seq_len": AT_LEAST_1,
+    "rl.code_max_tests": AT_LEAST_1,
     "rl.vllm_port": Range(1, 65535),
     "rl.vllm_gpu_memory_utilization": SHARE_OPEN,
     "rl.vllm_tensor_parallel_size": AT_LEAST_1,
@@ -605,6 +621,11 @@ def _suggest(word: str, choices) -> str:
     return f"; did you mean {' or '.join(close)}?" if close else ""
 
 
+# keys that were moved, and where to
+MOVED = {"rl.max_pass_rate": "the pass-rate filter is data.max_pass_rate={<environment>: <rate>}, applied by "
+                             "`make data`"}
+
+
 def unknown_key_message(key: str) -> str:
     """What to say about a key the schema does not have (typed on the command line, added with + or ++, or in a
     config file). Keys under a dict field (rl.env_mix.<env>) are free and never land here."""
@@ -617,6 +638,8 @@ def unknown_key_message(key: str) -> str:
         tp = inner
     known = [f.name for f in dataclasses.fields(tp)]
     where = f"{parent} ({tp.__name__})" if parent else "the top level"
+    if key in MOVED:
+        return f"unknown key {key}: {where} has no key '{name}'; {MOVED[key]}"
     return f"unknown key {key}: {where} has no key '{name}'{_suggest(name, known)}"
 
 
@@ -664,6 +687,7 @@ def validate(cfg) -> None:
     judge_url = cfg.rl.judge.url
     if judge_url is not None and not re.match(r"https?://[^/\s]+", judge_url):
         _fail(f"rl.judge.url must be an http(s) address (http://host:port), got {judge_url!r}")
+    _check_pass_rate_filter(cfg.data)
     m = cfg.model
     if m.params_total_b is not None and m.params_active_b is not None and m.params_active_b > m.params_total_b:
         _fail(f"model.params_active_b ({m.params_active_b}) must be <= model.params_total_b ({m.params_total_b})")
@@ -690,6 +714,21 @@ def validate(cfg) -> None:
 
 
 MIN_PROMPT_TOKENS = 16  # no tiny prompt is shorter (the instruction alone is longer)
+
+
+def _check_pass_rate_filter(data) -> None:
+    """data.max_pass_rate names environments of the hub's RL subsets: a typo would filter nothing, and the tiny
+    rows have no pass rate to filter on."""
+    limits = dict(data.max_pass_rate)
+    if not limits:
+        return
+    if data.source != DataSource.intellect3:
+        _fail(f"data.max_pass_rate={limits}: the {data.source} rows carry no pass rate to filter on (their "
+              f"difficulty is a task level); the filter is for hub data (data.source=intellect3)")
+    unknown = sorted(set(limits) - set(data.rl_dataset.subsets))
+    if unknown:
+        _fail(f"data.max_pass_rate names {unknown}, not among the RL subsets data.rl_dataset.subsets "
+              f"({list(data.rl_dataset.subsets)}){_suggest(unknown[0], data.rl_dataset.subsets)}")
 
 
 def _check_arch(arch, key: str) -> None:
@@ -794,6 +833,11 @@ def config_hash(cfg, keys: List[str] | None = None) -> str:
     data = OmegaConf.to_container(cfg, resolve=True)
     if isinstance(data.get("data"), dict) and not data["data"].get("extra_tasks"):
         data["data"].pop("extra_tasks", None)  # added later: runs made before it keep their hash
+    if isinstance(data.get("data"), dict) and data["data"].get("source") != "intellect3" \
+            and data["data"].get("max_pass_rate") == {}:
+        # the tiny build never read data.max_pass_rate, a float that defaulted to 0.874 before it became a dict
+        # per environment: tiny data made before keeps its hash (and with it base and sft)
+        data["data"]["max_pass_rate"] = 0.874
     if isinstance(data.get("model"), dict):
         data["model"].pop("arch", None)  # read by the launcher's plan alone: no stage's output depends on it
     if keys is not None:

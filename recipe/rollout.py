@@ -81,8 +81,9 @@ def next_reply(env: Environment, tokenizer, transcript: Transcript, row: dict,
                room: int | None = None) -> list[int] | None:
     """Token ids of the environment's reply to the last model turn, or None when the sample is final.
 
-    `room`: how many tokens the transcript may hold before the next model turn (the context less the prompt and
-    max_new_tokens; None: no limit). A reply that would leave the next turn no room ends the sample here, as
+    `room`: how many tokens the transcript may hold before the next model turn (None: no limit; RL: the context
+    less the prompt and one token, the next turn's request being capped to what is left; eval: the context less
+    the prompt and max_new_tokens). A reply that would leave the next turn no room ends the sample here, as
     truncated (finish_reason "length", out_of_context): it is scored as it stands, not masked, as prime-rl
     (verifiers' multi-turn rollouts) treats a rollout that ran out of context: a truncated sample.
     """

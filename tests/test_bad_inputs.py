@@ -505,6 +505,17 @@ CASES = [
                                            "model.tiny.max_position_embeddings (512)"),
     config_case("sft.max_length=1024", "error: config error: sft.max_length (1024) must be <= the model's context, "
                                        "model.tiny.max_position_embeddings (512)"),
+    # -- the offline pass-rate filter: one key, per environment, applied by `make data`
+    config_case("rl.max_pass_rate=0.874", "error: config error: unknown key rl.max_pass_rate: rl (RLConfig) has no "
+                                          "key 'max_pass_rate'; the pass-rate filter is "
+                                          "data.max_pass_rate={<environment>: <rate>}, applied by `make data`"),
+    config_case("data.max_pass_rate={math:0.9}", "error: config error: data.max_pass_rate={'math': 0.9}: the tiny "
+                                                 "rows carry no pass rate to filter on (their difficulty is a task "
+                                                 "level); the filter is for hub data (data.source=intellect3)"),
+    Case("`preset=intellect3 data.max_pass_rate={maths:0.874}`", ANY_STAGE,
+         "error: config error: data.max_pass_rate names ['maths'], not among the RL subsets "
+         "data.rl_dataset.subsets (['math', 'code', 'science', 'logic']); did you mean math?",
+         args=["preset=intellect3", "data.max_pass_rate={maths:0.874}"]),
     # -- benchmarks
     Case("`eval.benchmarks=[{name:aime},…]`", "make eval",
          "error: config error: eval.benchmarks[0].name='aime' is not a known benchmark (known: math500, …)",

@@ -292,14 +292,16 @@ def test_code_takes_the_last_python_block():
     assert extract_code("no code") is None
 
 
-def test_code_reward_fraction_or_all_tests_and_the_solution_alias(sandbox):
+def test_code_reward_all_tests_or_nothing_and_the_solution_alias(sandbox):
     row = fixture_rows("lcb_v6")[1]
     half = ("class Solution:\n    def countVowels(self, word: str) -> int:\n"
             "        return sum(c in 'aeiou' for c in word)\n")  # misses upper case: passes 2 of 3
     env = get_env("code")
     assert env.score(f"{THINK}```python\n{half}```", row).reward == 0.0  # LCB: all tests or nothing
     fraction_row = dict(row, info=json.dumps(dict(json.loads(row["info"]), all_tests_must_pass=False)))
+    # a row that does not ask for every test: the share passed (eval's partial credit), or nothing without it
     assert env.score(f"{THINK}```python\n{half}```", fraction_row).reward == pytest.approx(2 / 3)
+    assert get_env("code", partial_credit=False).score(f"{THINK}```python\n{half}```", fraction_row).reward == 0.0
     assert "def countVowels(*args):" in sandbox.calls[-1] and sandbox.calls[-1].startswith("from typing import *")
     assert env.score(f"{THINK}no program", row).reward == 0.0
 

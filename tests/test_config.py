@@ -194,6 +194,29 @@ def test_intellect3_preset_carries_the_production_rl_values():
     assert (rl.mask_ratio_low, rl.mask_ratio_high, rl.sequence_mask_low) == (0.5, 5.0, 1e-5)
     assert dict(rl.env_mix) == {"math": 0.6, "code": 0.4}
     assert (rl.checkpoint_every, rl.keep_checkpoints) == (30, 5)
+    # orch.toml: seq_len 51200; prime-rl masks no sample; i3-code runs 15 tests a problem
+    assert (rl.seq_len, rl.mask_sandbox_failures, rl.code_max_tests) == (51200, False, 15)
+    tiny = load_config([]).rl
+    assert (tiny.seq_len, tiny.mask_sandbox_failures) == (None, True)
+
+
+def test_the_pass_rate_filter_has_one_key_per_environment_in_the_data_config():
+    """data.max_pass_rate (applied by `make data`) is the only pass-rate filter: RL has none to disagree with."""
+    assert dict(load_config(["preset=intellect3"]).data.max_pass_rate) == {"math": 0.874}  # code: unfiltered
+    assert dict(load_config([]).data.max_pass_rate) == {}
+    cfg = load_config(["preset=intellect3", "data.max_pass_rate={math:0.9,code:0.95}"])
+    assert dict(cfg.data.max_pass_rate) == {"math": 0.9, "code": 0.95}
+    assert dict(load_config(["preset=intellect3", "data.max_pass_rate={}"]).data.max_pass_rate) == {}
+    for override in ("rl.max_pass_rate=0.874", "+rl.max_pass_rate=0.874"):
+        with pytest.raises(ConfigError, match="unknown key rl.max_pass_rate"):
+            load_config(["preset=intellect3", override])
+    with pytest.raises(ConfigError, match=r"data.max_pass_rate names \['maths'\], not among the RL subsets .*"
+                                          r"did you mean math"):
+        load_config(["preset=intellect3", "data.max_pass_rate={maths:0.874}"])
+    with pytest.raises(ConfigError, match="data.max_pass_rate.math must be a number in \\[0, 1\\], got 1.5"):
+        load_config(["preset=intellect3", "data.max_pass_rate.math=1.5"])
+    with pytest.raises(ConfigError, match="tiny rows carry no pass rate to filter on"):  # their difficulty: a level
+        load_config(["data.max_pass_rate={math:0.9}"])
 
 
 def test_overrides_apply():

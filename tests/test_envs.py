@@ -1,5 +1,7 @@
 import json
 
+import pytest
+
 from recipe.chat import parse_final_answer
 from recipe.envs import get_env
 from recipe.envs.base import Environment
@@ -88,13 +90,103 @@ def test_code_verdicts_are_reused_for_a_repeated_program(monkeypatch):
                         (Broken() if "broken" in src else Report()))
     monkeypatch.setattr(code_env, "_VERDICTS", {})
     row = {"id": "r", "info": '{"tests": [{"fn": "f", "args": [1], "expected": 2}]}'}
-    env = get_env("code")
+    env = get_env("code", partial_credit=False)
     a = env.score("<think></think>```python\ndef f(x):\n    return 2\n```", row)
     b = env.score("<think></think>```python\ndef f(x):\n    return 2\n```", row)
-    assert a.reward == b.reward == 0.5 and len(calls) == 1
+    assert a.reward == b.reward == 0.0 and len(calls) == 1  # 1 of 2 tests: not all of them
     for _ in range(2):  # a sandbox failure is never remembered: the next sample tries again
         assert env.score("<think></think>```python\n# broken\n```", row).masked
     assert len(calls) == 3
+
+
+def fake_sandbox(monkeypatch, failing=()):
+    """The code environment's sandbox, in-process: a test passes unless its argument is in `failing`; a program
+    that says `crash` brings the sandbox down. Returns the list of test lists it was asked to run."""
+    import recipe.envs.code as code_env
+
+    runs = []
+
+    class Report:
+        def __init__(self, tests, error=None):
+            self.total, self.sandbox_error = len(tests), error
+            self.passed = 0 if error else sum(t["args"][0] not in failing for t in tests)
+
+    def run_tests(source, tests, limits=None):
+        runs.append(tests)
+        return Report(tests, "worker crashed" if "crash" in source else None)
+
+    monkeypatch.setattr(code_env, "run_tests", run_tests)
+    monkeypatch.setattr(code_env, "_VERDICTS", {})
+    return runs
+
+
+def code_row(n: int, row_id: str = "r") -> dict:
+    return {"id": row_id, "info": json.dumps({"tests": [{"fn": "f", "args": [i], "expected": i} for i in range(n)]})}
+
+
+PROGRAM = "<think></think>```python\ndef f(x):\n    return x\n```"
+
+
+def test_code_reward_is_1_only_when_every_test_passes(monkeypatch):
+    """Without partial credit (prime-rl's i3-code, rl.code_partial_credit=false in intellect3)."""
+    from recipe.envs import get_env
+
+    fake_sandbox(monkeypatch)
+    assert get_env("code", partial_credit=False).score(PROGRAM, code_row(5)).reward == 1.0
+    fake_sandbox(monkeypatch, failing={3})
+    res = get_env("code", partial_credit=False).score(PROGRAM, code_row(5))
+    assert res.reward == 0.0 and not res.masked  # 4 of 5 is a wrong answer, not 0.8
+    assert get_env("code", partial_credit=False).score("<think></think>no program", code_row(5)).reward == 0.0
+
+
+def test_code_partial_credit_is_the_share_passed_unless_the_row_asks_for_every_test(monkeypatch):
+    """The tiny preset's choice (rl.code_partial_credit=true) and eval's default: 4 of 5 gives 0.8; a row with
+    `all_tests_must_pass` (LiveCodeBench) still needs every test."""
+    from recipe.envs import get_env
+
+    fake_sandbox(monkeypatch, failing={3})
+    assert get_env("code").score(PROGRAM, code_row(5)).reward == pytest.approx(0.8)
+    strict = code_row(5)
+    strict["info"] = json.dumps({**json.loads(strict["info"]), "all_tests_must_pass": True})
+    assert get_env("code").score(PROGRAM, strict).reward == 0.0
+
+
+def test_code_runs_at_most_max_tests_the_same_ones_every_time(monkeypatch):
+    from recipe.envs import get_env
+    from recipe.envs.code import select_tests
+
+    env = get_env("code", max_tests=15, partial_credit=False)
+    chosen = []
+    for _ in range(2):  # a fresh sandbox each time: no verdict remembered
+        runs = fake_sandbox(monkeypatch)
+        assert env.score(PROGRAM, code_row(20)).reward == 1.0
+        chosen.append([t["args"][0] for t in runs[0]])
+    first = chosen[0]
+    assert chosen[1] == first and len(first) == 15 and first == sorted(set(first))  # 15 distinct, in row order
+    # the same 15 in every process and every call (seeded by the row's id), other ones for another row
+    tests = json.loads(code_row(20)["info"])["tests"]
+    assert [t["args"][0] for t in select_tests(tests, code_row(20), 15)] == first
+    assert select_tests(tests, code_row(20), 15) == select_tests(tests, code_row(20), 15)
+    assert select_tests(tests, code_row(20, "other"), 15) != select_tests(tests, code_row(20), 15)
+    # a failing test outside the 15 is never run; one inside fails the problem
+    outside, inside = min(set(range(20)) - set(first)), first[0]
+    fake_sandbox(monkeypatch, failing={outside})
+    assert env.score(PROGRAM, code_row(20)).reward == 1.0
+    fake_sandbox(monkeypatch, failing={inside})
+    assert env.score(PROGRAM, code_row(20)).reward == 0.0
+    # eval's environment (no cap) and a problem of 15 tests or fewer run every test
+    runs = fake_sandbox(monkeypatch)
+    get_env("code").score(PROGRAM, code_row(20))
+    env.score(PROGRAM, code_row(15))
+    assert [len(r) for r in runs] == [20, 15]
+
+
+def test_a_sandbox_failure_masks_the_code_sample(monkeypatch):
+    from recipe.envs import get_env
+
+    fake_sandbox(monkeypatch)
+    res = get_env("code").score("<think></think>```python\n# crash\n```", code_row(3))
+    assert res.masked and res.reward == 0.0 and "worker crashed" in res.mask_reason and not res.errors
 
 
 def test_score_in_threads_keeps_order_and_runs_only_the_picked_items_in_parallel():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
+import math
 import socket
 import threading
 import time
@@ -14,7 +15,7 @@ import pytest
 
 from recipe.config import DataConfig, HubDataset
 from recipe.data import hub
-from recipe.data.schema import DataError, read_rows, write_rows
+from recipe.data.schema import DataError, read_rows, too_easy, write_rows
 from recipe.envs.math import INSTRUCTION
 
 FIXTURES = Path(__file__).resolve().parent.parent / "data" / "fixtures"
@@ -35,6 +36,7 @@ def data_cfg(**overrides) -> DataConfig:
                                subsets=sorted(set(SFT_SUBSETS))),
         rl_dataset=HubDataset(id="PrimeIntellect/INTELLECT-3-RL", revision="4567ef01", subsets=list(RL_SUBSETS)),
         hub_timeout_s=2.0,
+        max_pass_rate={"math": 0.874},  # configs/data/intellect3.yaml
     )
     for key, value in overrides.items():
         setattr(cfg, key, value)
@@ -114,9 +116,12 @@ def test_rl_rows_convert_and_roundtrip(tmp_path):
     assert rows["logic"][0]["answer"] == "" and rows["logic"][0]["difficulty"] == 0.5625
 
 
-def test_rl_row_without_pass_rate_column_is_an_error():
+def test_rl_row_without_pass_rate_column_is_an_error_where_the_filter_needs_one():
     with pytest.raises(DataError, match="math row 3: no pass-rate column"):
         hub.rl_row({"question": "1+1?", "answer": "2"}, "math", 3, data_cfg())
+    # code is not filtered: a row without the column has no pass rate (NaN), and is kept
+    row = hub.rl_row({"question": "Print 1.", "answer": ""}, "code", 3, data_cfg())
+    assert math.isnan(row["difficulty"]) and not too_easy(row, data_cfg().max_pass_rate)
 
 
 # ---------------------------------------------------------------- filter and splits
@@ -130,10 +135,46 @@ def test_filter_drops_exactly_the_too_easy_row(capsys):
     assert not any(q.endswith(EASY_QUESTION) for q in questions)
     assert all(r["difficulty"] <= 0.874 for r in kept)
     log = capsys.readouterr().out
-    assert "rl/math: 3 rows, dropped 1 with avg@8_qwen3_4b_thinking_2507 > 0.874" in log
+    assert "rl/math: 3 rows, dropped 1 with avg@8_qwen3_4b_thinking_2507 > 0.874;" in log
     for s in ["code", "science", "logic"]:
-        assert f"rl/{s}: 3 rows, dropped 0" in log
+        assert f"rl/{s}: 3 rows, no pass-rate filter;" in log
     assert len(out["sft"]) == 4 and {r["split"] for r in out["sft"]} == {"sft"}
+
+
+def rated_loader(rates):
+    """Every RL subset: one row per pass rate in `rates` (None: the row has no pass rate)."""
+    def load(subset):
+        if subset in RL_SUBSETS:
+            return [{"question": f"{subset} question {i}", "answer": str(i), "avg@8_qwen3_4b_thinking_2507": r}
+                    for i, r in enumerate(rates)]
+        return fixture_loader(subset)
+
+    return load
+
+
+def test_math_rows_above_0874_are_dropped_code_rows_at_any_pass_rate_kept(capsys):
+    rates = [0.0, 0.5, 0.874, 0.875, 0.9, 1.0]
+    out = hub.build_intellect3(data_cfg(), loader=rated_loader(rates))
+    kept = out["rl"] + out["eval"]
+    by_env = {s: sorted(r["difficulty"] for r in kept if r["env"] == s) for s in RL_SUBSETS}
+    assert by_env["math"] == [0.0, 0.5, 0.874]  # above 0.874 is dropped; 0.874 itself is kept
+    assert by_env["code"] == by_env["science"] == by_env["logic"] == rates  # not filtered: even 1.0 stays
+    assert "rl/code: 6 rows, no pass-rate filter;" in capsys.readouterr().out
+    # the same config filtering code too would drop its three rows above the threshold
+    out = hub.build_intellect3(data_cfg(max_pass_rate={"math": 0.874, "code": 0.874}), loader=rated_loader(rates))
+    assert sorted(r["difficulty"] for r in out["rl"] + out["eval"] if r["env"] == "code") == [0.0, 0.5, 0.874]
+    # no filter at all
+    out = hub.build_intellect3(data_cfg(max_pass_rate={}), loader=rated_loader(rates))
+    assert len(out["rl"] + out["eval"]) == len(rates) * len(RL_SUBSETS)
+
+
+def test_a_row_without_a_pass_rate_is_kept_and_counted(capsys):
+    out = hub.build_intellect3(data_cfg(), loader=rated_loader([None, 1.0, 0.5]))
+    math_rows = [r for r in out["rl"] + out["eval"] if r["env"] == "math"]
+    assert sorted(r["id"] for r in math_rows) == ["math-0", "math-2"] and math.isnan(
+        next(r for r in math_rows if r["id"] == "math-0")["difficulty"])
+    assert ("rl/math: 3 rows, dropped 1 with avg@8_qwen3_4b_thinking_2507 > 0.874, kept 1 without a pass rate;"
+            in capsys.readouterr().out)
 
 
 def test_filter_uses_the_configured_column():
@@ -161,8 +202,9 @@ def test_eval_and_rl_never_overlap():
     assert not {r["id"] for r in out["rl"]} & {r["id"] for r in out["eval"]}
     assert not {text(r) for r in out["rl"]} & {text(r) for r in out["eval"]}
     assert all(hub.is_eval(r) for r in out["eval"]) and not any(hub.is_eval(r) for r in out["rl"])
-    # 0.9 pass rate is dropped, so 9 of 10 rows remain; all of them land in exactly one split
-    assert len(out["rl"]) + len(out["eval"]) == 4 * 360
+    # math: 0.9 pass rate is dropped, so 9 of 10 rows remain; the others are not filtered; every row that
+    # remains lands in exactly one split
+    assert len(out["rl"]) + len(out["eval"]) == 360 + 3 * 400
     again = hub.build_intellect3(data_cfg(), loader=synthetic_loader(400))
     assert [r["id"] for r in again["eval"]] == [r["id"] for r in out["eval"]]
 

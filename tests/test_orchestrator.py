@@ -7,7 +7,7 @@ import pytest
 
 from recipe.config import RLConfig
 from recipe.inference.engine import Cancelled
-from recipe.rl.orchestrator import Orchestrator, offline_filter
+from recipe.rl.orchestrator import Orchestrator
 from tests.fakes import CharTokenizer, ScriptedEngine
 
 
@@ -122,13 +122,16 @@ def test_cancelled_requests_are_rescheduled():
     assert sorted(problem(s) for s in samples) == sorted(p for p in cancelled_problems for _ in range(4))
 
 
-def test_env_mix_offline_filter_and_unknown_env():
-    rows = math_rows(10, difficulty=0.9) + math_rows(10, difficulty=0.1)
-    kept, dropped = offline_filter(rows, 0.874)
-    assert dropped == 10 and all(r["difficulty"] <= 0.874 for r in kept)
-    assert offline_filter(rows, None) == (rows, 0)
-    orch = Orchestrator(rows, CharTokenizer(), rl_cfg(), ScriptedEngine(lambda p, r: ""), seed=0, max_pass_rate=0.874)
-    assert orch.offline_dropped == 10
+def test_rl_takes_the_rows_as_make_data_filtered_them_and_refuses_an_env_without_rows():
+    # the offline pass-rate filter is make data's alone (data.max_pass_rate): RL has no filter of its own to
+    # disagree with, whatever a row's pass rate
+    import inspect
+
+    rows = [dict(r, id=f"{r['id']}-{d}") for d in (1.0, 0.9, 0.1, float("nan")) for r in math_rows(5, difficulty=d)]
+    orch = Orchestrator(rows, CharTokenizer(), rl_cfg(), ScriptedEngine(lambda p, r: ""), seed=0)
+    assert len(orch.rows["math"]) == 20
+    assert "max_pass_rate" not in inspect.signature(Orchestrator).parameters
+    assert not hasattr(RLConfig(), "max_pass_rate")
     with pytest.raises(ValueError, match="logic"):
         Orchestrator(math_rows(), CharTokenizer(), rl_cfg(env_mix={"math": 0.5, "logic": 0.5}),
                      ScriptedEngine(lambda p, r: ""), seed=0)
@@ -195,20 +198,111 @@ def test_masked_samples_leave_the_loss_and_the_group_mean(monkeypatch):
     assert stats["reward"] == pytest.approx(1 / 3)
 
 
-def test_prompts_longer_than_the_context_are_left_out_with_one_line(capsys):
+class Recording(ScriptedEngine):
+    """Keeps every request it is given."""
+
+    def __init__(self, answer_fn):
+        super().__init__(answer_fn)
+        self.requests = []
+
+    def submit(self, requests):
+        self.requests += requests
+        super().submit(requests)
+
+
+def test_prompts_that_leave_no_room_in_the_context_are_left_out_with_one_line(capsys):
     from recipe.chat import encode_prompt
     from recipe.errors import StageError
 
     rows = math_rows(20)  # Q0..Q9 encode one token shorter than Q10..Q19
     short = len(encode_prompt(CharTokenizer(), rows[0]["prompt"]))
     cfg = rl_cfg(max_new_tokens=10, max_async_level=0)
-    orch = Orchestrator(rows, CharTokenizer(), cfg, ScriptedEngine(answer_by_index(lambda i: {0})), seed=0,
-                        context=short + 10)
+    eng = Recording(answer_by_index(lambda i: {0}))
+    orch = Orchestrator(rows, CharTokenizer(), cfg, eng, seed=0, context=short + 1)
     err = capsys.readouterr().err.splitlines()
     assert orch.too_long == 10 and sorted(r["id"] for r in orch.rows["math"]) == sorted(f"q{i}" for i in range(10))
-    assert err == [f"rl: left out 10 of 20 prompts whose tokens plus rl.max_new_tokens (10) exceed the model's "
-                   f"context ({short + 10})"]
+    assert err == [f"rl: left out 10 of 20 prompts that leave no room for a completion in the model's context "
+                   f"({short + 1})"]
     samples, _ = orch.next_batch(0)
     assert all(int(problem(s)[1:]) < 10 for s in samples)
-    with pytest.raises(StageError, match=r"every one of the 20 RL prompts .* exceeds the model's context"):
-        Orchestrator(rows, CharTokenizer(), cfg, ScriptedEngine(lambda p, r: ""), seed=0, context=short + 9)
+    assert {r.params.max_new_tokens for r in eng.requests} == {1}  # what the context leaves, not max_new_tokens
+    with pytest.raises(StageError, match=r"every one of the 20 RL prompts leaves no room .* model's context"):
+        Orchestrator(rows, CharTokenizer(), cfg, ScriptedEngine(lambda p, r: ""), seed=0, context=short)
+
+
+def test_seq_len_caps_prompt_plus_completion_and_leaves_out_prompts_without_room(capsys):
+    from recipe.chat import encode_prompt
+    from recipe.errors import StageError
+
+    rows = math_rows(20)  # Q0..Q9: `short` tokens; Q10..Q19: short + 1
+    short = len(encode_prompt(CharTokenizer(), rows[0]["prompt"]))
+
+    def requests(seq_len, context=short + 500):
+        eng = Recording(answer_by_index(lambda i: {0}))
+        orch = Orchestrator(rows, CharTokenizer(), rl_cfg(max_new_tokens=10, max_async_level=0, seq_len=seq_len),
+                            eng, seed=0, context=context)
+        orch.next_batch(0)
+        return orch, [(int(problem(r)[1:]), r) for r in eng.requests]
+
+    orch, reqs = requests(None)  # the model's context leaves room for max_new_tokens: no cap
+    assert orch.context == short + 500 and {r.params.max_new_tokens for _, r in reqs} == {10}
+    orch, reqs = requests(short + 4)  # the least of the model's context and seq_len
+    assert orch.context == short + 4 and orch.too_long == 0
+    assert all(len(r.prompt_ids) + r.params.max_new_tokens == short + 4 for _, r in reqs)
+    assert {r.params.max_new_tokens for i, r in reqs if i < 10} <= {4}
+    assert {r.params.max_new_tokens for i, r in reqs if i >= 10} <= {3}
+    capsys.readouterr()
+    orch, reqs = requests(short + 1, context=None)  # seq_len alone: Q10..Q19 leave no room
+    assert orch.too_long == 10 and all(i < 10 for i, _ in reqs) and {r.params.max_new_tokens for _, r in reqs} == {1}
+    assert capsys.readouterr().err.splitlines() == [
+        f"rl: left out 10 of 20 prompts that leave no room for a completion in rl.seq_len ({short + 1})"]
+    requests(short + 1, context=short + 2)
+    assert capsys.readouterr().err.splitlines() == [
+        f"rl: left out 10 of 20 prompts that leave no room for a completion in the context ({short + 1}: the least "
+        f"of the model's {short + 2} and rl.seq_len {short + 1})"]
+    with pytest.raises(StageError, match=r"every one of the 20 RL prompts leaves no room .* rl.seq_len"):
+        Orchestrator(rows, CharTokenizer(), rl_cfg(seq_len=short), ScriptedEngine(lambda p, r: ""), seed=0)
+
+
+def code_rows(n=8):
+    tests = json.dumps({"tests": [{"fn": "f", "args": [i], "expected": i} for i in range(3)]})
+    return [{"id": f"c{i}", "env": "code", "task": "fn", "prompt": [{"role": "user", "content": f"Q{i}"}],
+             "answer": "", "info": tests, "difficulty": 0.5} for i in range(n)]
+
+
+@pytest.mark.parametrize("mask", [True, False])
+def test_a_sandbox_failure_is_masked_or_with_the_switch_off_scores_0(monkeypatch, mask):
+    # sample 3 of every group: the sandbox itself fails; sample 0 passes every test, 1 and 2 fail one of three
+    import recipe.envs.code as code_env
+
+    class Report:
+        def __init__(self, passed, error=None):
+            self.passed, self.total, self.sandbox_error = passed, 3, error
+
+    def run_tests(source, tests, limits=None):
+        return Report(0, "worker crashed") if "crash" in source else Report(3 if "good" in source else 2)
+
+    monkeypatch.setattr(code_env, "run_tests", run_tests)
+    monkeypatch.setattr(code_env, "_VERDICTS", {})
+    program = {0: "good", 1: "bad", 2: "bad", 3: "crash"}
+    eng = ScriptedEngine(lambda p, rid: f"<think>t</think>```python\n# {program[rid % 4]}\n```")
+    orch = Orchestrator(code_rows(), CharTokenizer(), rl_cfg(env_mix={"code": 1.0}, mask_sandbox_failures=mask,
+                                                             code_partial_credit=False), eng, seed=0)
+    samples, stats = orch.next_batch(0)
+    failed = [s for s in samples if "crash" in "".join(map(chr, s.completion_ids))]
+    assert len(failed) == 2 and all(s.reward == 0.0 for s in failed)
+    assert sorted(s.reward for s in samples) == [0.0] * 6 + [1.0] * 2  # all tests or nothing: 2 of 3 is 0
+    if mask:  # out of the loss and the group mean: the other three share it
+        assert all(not any(s.loss_mask) and s.advantage == 0 for s in failed)
+        assert stats["masked_samples"] >= 2 and stats["unjudged_scored_0"] == 0
+        assert sorted(round(s.advantage, 6) for s in samples if s not in failed) == \
+            [round(-1 / 3, 6)] * 4 + [round(2 / 3, 6)] * 2
+    else:  # prime-rl: a wrong answer like any other, in the loss with the group's advantage
+        assert all(all(s.loss_mask) and s.advantage == -0.25 for s in failed)
+        assert stats["masked_samples"] == 0 and stats["unjudged_scored_0"] >= 2
+
+
+def test_the_code_environment_gets_rl_code_max_tests():
+    orch = Orchestrator(code_rows(), CharTokenizer(), rl_cfg(env_mix={"code": 1.0}, code_max_tests=4),
+                        ScriptedEngine(lambda p, r: ""), seed=0)
+    assert orch.envs["code"].max_tests == 4

@@ -442,20 +442,25 @@ def test_rl_ends_a_sample_whose_next_turn_would_not_fit_the_context():
         return {0: FINAL, 1: "<think></think>12"}.get(rid % 4, CALL)
 
     class Recording(ScriptedEngine):
-        longest = 0
+        def __init__(self, answer_fn):
+            super().__init__(answer_fn)
+            self.longest = 0  # prompt + the tokens asked for, at most
+            self.second = set()  # what the second turns asked for
 
         def submit(self, requests):
-            self.longest = max([self.longest] + [len(r.prompt_ids) for r in requests])
+            self.longest = max([self.longest] + [len(r.prompt_ids) + r.params.max_new_tokens for r in requests])
+            self.second |= {r.params.max_new_tokens for r in requests if len(r.prompt_ids) > PROMPT_LEN}
             super().submit(requests)
 
     m = len(CALL)
-    fits = PROMPT_LEN + len(CALL) + len(REPLY) + m  # exactly room for the reply and a second turn
-    for context, calls in ((fits - 1, 0), (fits, 4)):
+    fits = PROMPT_LEN + len(CALL) + len(REPLY) + 1  # exactly room for the reply and one token of a second turn
+    for context, calls in ((fits - 1, 0), (fits, 4), (fits + m, 4)):
         eng = Recording(answers)
         orch = Orchestrator(tool_rows(), CharTokenizer(), rl_cfg(max_async_level=0, max_new_tokens=m), eng, seed=0,
                             context=context)
         samples, stats = orch.next_batch(0)
-        assert stats["tool_calls"] == calls and eng.longest + m <= context
+        assert stats["tool_calls"] == calls and eng.longest <= context
+        assert eng.second == ({min(m, context - fits + 1)} if calls else set())  # capped to what the context leaves
         assert stats["out_of_context_samples"] == 4 - calls
         cut = [s for s in samples if "".join(map(chr, s.completion_ids)) == CALL]
         # ended at the first call, truncated, and trained on as it stands: reward 0, not masked

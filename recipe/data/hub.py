@@ -2,8 +2,10 @@
 
 SFT rows keep their chat messages (tool calls as a JSON string). RL rows become one user message (math gets the
 math environment's instruction first), with the precomputed pass rate as difficulty. The offline difficulty
-filter drops prompts a small model already solves too often (INTELLECT-3: pass rate above 0.874); an `eval`
-split is a hash-selected slice of the RL prompts that never appears in `rl`.
+filter (recipe.data.schema.too_easy, data.max_pass_rate: environment -> threshold) drops prompts a small model
+already solves too often; INTELLECT-3 filters math alone (pass rate above 0.874), code is not filtered. It is
+applied here only: RL takes the rl split as it is. An `eval` split is a hash-selected slice of the RL prompts
+that never appears in `rl`.
 
 The hub is checked before anything is downloaded, so a machine without network fails in seconds with one line
 that says what to do, instead of hanging in retries.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from itertools import islice
 from typing import Callable, Iterable
 
@@ -127,11 +130,11 @@ def rl_row(raw: dict, subset: str, index: int, data_cfg) -> dict:
     if not isinstance(raw.get("question"), str):
         raise DataError(f"{where}: no 'question' column (columns: {sorted(raw)})")
     column = pass_rate_column(raw, data_cfg.pass_rate_column)
-    if column is None:
+    if column is None and subset in data_cfg.max_pass_rate:
         raise DataError(f"{where}: no pass-rate column (avg@k) to filter on (columns: {sorted(raw)})")
-    value = raw[column]
+    value = raw[column] if column is not None else None
     try:
-        rate = float("nan") if value is None else float(value)  # NaN: unknown, never filtered
+        rate = float("nan") if value is None else float(value)  # NaN: unknown, kept (schema.too_easy)
     except (TypeError, ValueError):
         raise DataError(f"{where}: pass rate {column}={str(value)[:40]!r} is not a number") from None
     text = f"{MATH_INSTRUCTION}\n{raw['question']}" if subset == "math" else raw["question"]
@@ -223,16 +226,22 @@ def build_sft(data_cfg, load: Loader) -> list[dict]:
 
 
 def build_rl(data_cfg, load: Loader) -> tuple[list[dict], list[dict]]:
-    """(rl rows, eval rows): filtered by pass rate first, so eval measures the distribution RL trains on."""
+    """(rl rows, eval rows): filtered by pass rate first (the offline filter, data.max_pass_rate per environment;
+    RL takes the rows as they are), so eval measures the distribution RL trains on."""
     rl, held_out = [], []
+    limits = dict(data_cfg.max_pass_rate)
     for subset in data_cfg.rl_dataset.subsets:
         converted = [rl_row(raw, subset, i, data_cfg) for i, raw in _rows(load, subset, data_cfg.max_rows)]
-        kept = [r for r in converted if not too_easy(r, data_cfg.max_pass_rate)]
-        column = json.loads(converted[0]["info"])["pass_rate_column"] if converted else "-"
-        dropped = len(converted) - len(kept)
+        kept = [r for r in converted if not too_easy(r, limits)]
         evals = [dict(r, split="eval") for r in kept if is_eval(r)]
-        print(f"data: rl/{subset}: {len(converted)} rows, dropped {dropped} with {column} > "
-              f"{data_cfg.max_pass_rate:g}; {len(kept) - len(evals)} rl, {len(evals)} eval")
+        if subset in limits:
+            column = json.loads(converted[0]["info"])["pass_rate_column"] if converted else "-"
+            unrated = sum(math.isnan(r["difficulty"]) for r in converted)
+            filtered = (f"dropped {len(converted) - len(kept)} with {column} > {limits[subset]:g}"
+                        + (f", kept {unrated} without a pass rate" if unrated else ""))
+        else:
+            filtered = "no pass-rate filter"
+        print(f"data: rl/{subset}: {len(converted)} rows, {filtered}; {len(kept) - len(evals)} rl, {len(evals)} eval")
         rl.extend(r for r in kept if not is_eval(r))
         held_out.extend(evals)
     return rl, held_out

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Mapping
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -37,12 +38,15 @@ def message(role: str, content: str, tool_calls: str | None = None) -> dict:
     return {"role": role, "content": content, "tool_calls": tool_calls}
 
 
-def too_easy(row: dict, max_pass_rate: float | None) -> bool:
-    """The offline difficulty filter, for data and RL alike: a prompt whose precomputed pass rate (difficulty)
-    is above max_pass_rate teaches little. None turns the filter off; a row without a pass rate (NaN) is
-    never filtered."""
+def too_easy(row: dict, max_pass_rate: Mapping[str, float]) -> bool:
+    """The offline difficulty filter, the recipe's one definition (`make data` applies it, recipe.data.hub): a
+    prompt of an environment listed in max_pass_rate (environment -> threshold) whose precomputed pass rate
+    (difficulty) is above that environment's threshold teaches little. INTELLECT-3 filters math alone (math:
+    0.874); an environment not listed is never filtered. A row without a pass rate (NaN) is kept: the filter drops
+    what is known to be too easy, and an unknown rate is not (`make data` counts such rows)."""
+    limit = max_pass_rate.get(row["env"])
     rate = row["difficulty"]
-    return max_pass_rate is not None and not math.isnan(rate) and rate > max_pass_rate
+    return limit is not None and not math.isnan(rate) and rate > limit
 
 
 def check_row(row: dict, where: str) -> None:

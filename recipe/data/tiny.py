@@ -115,9 +115,10 @@ FN_NAMES = "fghk"
 
 
 def gen_fn_fit(rng: random.Random, max_slope: int = 9, max_intercept: int = 99, names: str = FN_NAMES):
-    """Code: write name(x) = a*x + b from its values at x = 0, 1, 2; reward = the share of hidden tests the
-    program passes (x = 3, 4, 7, 10, -2), run in the sandbox. The trace reads b off f(0) and a off a difference,
-    so the tiny model can learn it; the function's name varies so that there are enough distinct prompts."""
+    """Code: write name(x) = a*x + b from its values at x = 0, 1, 2; reward 1 when the program passes every
+    hidden test (x = 3, 4, 7, 10, -2), run in the sandbox, else 0. The trace reads b off f(0) and a off a
+    difference, so the tiny model can learn it; the function's name varies so that there are enough distinct
+    prompts."""
     a, b, name = rng.randint(1, max_slope), rng.randint(0, max_intercept), rng.choice(names)
     examples = ", ".join(f"{name}({x})={a * x + b}" for x in (0, 1, 2))
     question = f"Write a Python function {name}(x) with {examples}."

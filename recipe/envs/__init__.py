@@ -11,13 +11,14 @@ ENVIRONMENTS = {"math": MathEnv, "logic": LogicEnv, "science": ScienceEnv, "code
                 "tools": ToolsEnv}
 
 
-def get_env(name: str, judge=None) -> Environment:
+def get_env(name: str, judge=None, **options) -> Environment:
     """A new environment `name`; `judge` (recipe.envs.judge.Judge) re-checks the rule-negative answers of the
-    environments that take one (math, science), and is ignored by the others."""
+    environments that take one (math, science), and is ignored by the others; options go to its constructor
+    (code: max_tests)."""
     if name not in ENVIRONMENTS:
         raise KeyError(f"unknown environment '{name}' (known: {sorted(ENVIRONMENTS)})")
     cls = ENVIRONMENTS[name]
-    return cls(judge=judge) if cls.uses_judge else cls()
+    return cls(judge=judge, **options) if cls.uses_judge else cls(**options)
 
 
 __all__ = ["Environment", "MaskSample", "RewardResult", "get_env", "ENVIRONMENTS"]

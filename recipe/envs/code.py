@@ -1,8 +1,13 @@
 """Code: the last ```python block of the final answer, run against the row's tests in recipe.sandbox.
 
-reward = the fraction of tests passed, or, for rows whose info sets `all_tests_must_pass` (LiveCodeBench's
-pass criterion), 1.0 only when every test passes. A sandbox that fails (sandbox_error) masks the sample:
-the program is never blamed for it.
+reward = 1 only when every test run passes, else 0 (prime-environments' i3-code: `passed`, weight 1, its share of
+tests passed has weight 0; LiveCodeBench's criterion too). With partial_credit (rl.code_partial_credit: the tiny
+preset's RL, and eval, where a row does not ask for all tests (`all_tests_must_pass`)), the share of tests passed
+instead: on a small model it gives a gradient before whole programs pass. A problem with more than
+max_tests tests runs max_tests of them, the same ones every time (sampled with the row's id as seed; i3-code's
+max_num_tests = 15, the RL setting rl.code_max_tests); eval runs every test. A sandbox that fails
+(sandbox_error) raises MaskSample: the program is never blamed for it; RL masks the sample or, with
+rl.mask_sandbox_failures=false (prime-rl), scores it 0.
 
 Tests come in the sandbox's format ({"input", "output"} for stdin programs, {"fn", "args", "expected"} for
 functions), either as info["tests"] (benchmarks) or as INTELLECT-3-RL's info["entry"]["tests"]
@@ -10,8 +15,10 @@ functions), either as info["tests"] (benchmarks) or as INTELLECT-3-RL's info["en
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import random
 import re
 import threading
 
@@ -67,13 +74,27 @@ _VERDICTS: dict[str, object] = {}
 _VERDICTS_LOCK = threading.Lock()  # samples are scored from several threads at once
 
 
-def code_passed(answer: str, row: dict) -> float:
+def select_tests(tests: list[dict], row: dict, max_tests: int | None) -> list[dict]:
+    """At most max_tests of the row's tests, in their order, the same ones every time: sampled with the row's id
+    as seed (a string seed hashes the same in every process). None: every test."""
+    if max_tests is None or len(tests) <= max_tests:
+        return tests
+    seed = f"code-tests:{row.get('id') or json.dumps(row.get('prompt'), sort_keys=True)}"
+    keep = sorted(random.Random(seed).sample(range(len(tests)), max_tests))
+    return [tests[i] for i in keep]
+
+
+def code_passed(answer: str, row: dict, max_tests: int | None = None, partial_credit: bool = False) -> float:
+    """1.0 when the answer's program passes every test run (at most max_tests of the row's), else 0.0; with
+    partial_credit the share passed, unless the row asks for all (`all_tests_must_pass`). A repeated program's
+    verdict is reused. A sandbox failure raises MaskSample."""
     code = extract_code(answer)
     if code is None:
         return 0.0  # no program: the model's fault, scored 0
     tests = row_tests(row)
     if not tests:
         raise ValueError(f"row {row.get('id')} has no tests")
+    tests = select_tests(tests, row, max_tests)
     info = json.loads(row.get("info") or "{}")
     source = program(code, tests, bool(info.get("prelude")))
     key = hashlib.sha256(json.dumps([source, tests], sort_keys=True).encode()).hexdigest()
@@ -87,13 +108,20 @@ def code_passed(answer: str, row: dict) -> float:
             _VERDICTS[key] = report
             while len(_VERDICTS) > 4096:  # oldest first
                 _VERDICTS.pop(next(iter(_VERDICTS)))
-    if info.get("all_tests_must_pass"):
-        return float(report.total > 0 and report.passed == report.total)
-    return report.passed / report.total if report.total else 0.0
+    if partial_credit and not info.get("all_tests_must_pass"):
+        return report.passed / report.total if report.total else 0.0
+    return float(report.total > 0 and report.passed == report.total)
 
 
 class CodeEnv(Environment):
     name = "code"
     reward_timeout_s = 600.0  # the sandbox bounds every test (wall_s each); this only guards the harness
     score_in_parallel = True
-    rubric = [("passed", code_passed, 1.0)]
+
+    def __init__(self, max_tests: int | None = None, partial_credit: bool = True):
+        """max_tests: run at most this many of a problem's tests (RL: rl.code_max_tests); None: all (eval).
+        partial_credit: the share of tests passed where a row does not ask for all (RL: rl.code_partial_credit;
+        eval keeps it, so held-out numbers stay comparable across versions)."""
+        self.max_tests = max_tests
+        self.rubric = [("passed", functools.partial(code_passed, max_tests=max_tests, partial_credit=partial_credit),
+                        1.0)]

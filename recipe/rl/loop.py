@@ -102,15 +102,13 @@ def _rl_loop(cfg, stage_dir, start_model, world: World):
             rows = read_split(require_done(cfg, "data"), "rl")
             context = model.config.max_position_embeddings
             served = getattr(engine, "context", None)  # vLLM servers may take less (--max-model-len)
-            orch = Orchestrator(rows, tokenizer, rl, engine, seed=rl.seed, max_pass_rate=rl.max_pass_rate,
+            orch = Orchestrator(rows, tokenizer, rl, engine, seed=rl.seed,  # rl.seq_len bounds the context too
                                 context=context if served is None else min(context, served))
             if orch_state:
                 orch.load_state_dict(orch_state)
             orch.start()
             ranks = f"; {world.size} trainer ranks" if world.distributed else ""
-            print(f"rl: {sum(len(v) for v in orch.rows.values())} prompts "
-                  f"({orch.offline_dropped} dropped by the offline pass-rate filter); env mix {dict(rl.env_mix)}"
-                  f"{ranks}")
+            print(f"rl: {sum(len(v) for v in orch.rows.values())} prompts; env mix {dict(rl.env_mix)}{ranks}")
         bar = tqdm(total=rl.max_steps, initial=step, desc="rl", unit="step", disable=not world.main)
         t_start = time.perf_counter()
         saved = step

@@ -6,12 +6,17 @@
 - Every completion carries the policy version that wrote it. The batch for trainer step s only takes groups
   written by version >= s - max_async_level; older ones are dropped and counted as stale.
   max_async_level=0 is the synchronous baseline: nothing is submitted ahead of the weights it must use.
-- Filters: offline, rows whose precomputed pass rate is above max_pass_rate never enter; online (rl.online_filter),
-  groups whose rewards are all equal (all 0 or all 1) carry no signal and are dropped. Without the online filter
-  (prime-rl's production run) such a group stays in the batch: advantage 0, its tokens in the loss's count.
-- Prompts that do not fit the model's context (prompt tokens + max_new_tokens > max_position_embeddings, given
-  as `context`) never enter either: they are counted and left out at start, with one line. A multi-turn sample
-  whose next turn would not fit ends there, truncated (recipe.rollout.next_reply), and is counted.
+- Filters: the offline pass-rate filter is `make data`'s (data.max_pass_rate): the rows come filtered. Online
+  (rl.online_filter), groups whose rewards are all equal (all 0 or all 1) carry no signal and are dropped. Without
+  the online filter (prime-rl's production run) such a group stays in the batch: advantage 0, its tokens in the
+  loss's count.
+- The context: the least of the model's max_position_embeddings and the server's (given as `context`) and
+  rl.seq_len. A request asks for at most min(max_new_tokens, context - its prompt's tokens) new tokens, so a
+  sample's prompt + completion never exceed it. A prompt that leaves no room for one new token never enters: such
+  prompts are counted and left out at start, with one line. A multi-turn sample whose next turn would have no
+  room ends there, truncated (recipe.rollout.next_reply), and is counted.
+- A sample the verifier could not judge (a sandbox or tool failure) is masked, or scores 0 with
+  rl.mask_sandbox_failures=false (prime-rl has no sample masking); both are counted.
 - Advantage = reward - mean reward of the group (no division by the std).
 - start() moves the event loop (polling the engine, tool turns, scoring, top-ups) to a thread of its own, so
   that the next tool turn is submitted and rollouts are scored while the trainer works: neither a sandbox run nor
@@ -39,8 +44,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from recipe.chat import completion_text, encode_prompt
-from recipe.data.schema import too_easy
-from recipe.envs import get_env
+from recipe.envs import RewardResult, get_env
 from recipe.envs.judge import judge_from_config
 from recipe.errors import ConfigError, StageError
 from recipe.inference.engine import Cancelled, Done, Engine, Event, Request
@@ -77,32 +81,28 @@ class Sample:
     env: str
 
 
-def offline_filter(rows: list[dict], max_pass_rate: float | None) -> tuple[list[dict], int]:
-    """Drop prompts that a reference model already solves too often (recipe.data.schema.too_easy)."""
-    kept = [r for r in rows if not too_easy(r, max_pass_rate)]
-    return kept, len(rows) - len(kept)
-
-
 class Orchestrator:
-    def __init__(self, rows: list[dict], tokenizer, rl_cfg, engine: Engine, seed: int,
-                 max_pass_rate: float | None = None, context: int | None = None):
-        """`context`: the model's max_position_embeddings; None: prompts are not checked against it."""
+    def __init__(self, rows: list[dict], tokenizer, rl_cfg, engine: Engine, seed: int, context: int | None = None):
+        """`context`: the model's max_position_embeddings (or less, the server's); rl.seq_len bounds it too.
+        None and no rl.seq_len: prompts are not checked and requests are not capped."""
         self.cfg = rl_cfg
         self.engine = engine
         self.tokenizer = tokenizer
-        rows, self.offline_dropped = offline_filter(rows, max_pass_rate)
         self.too_long = 0
-        self.context = context
-        if context is not None:
-            fit = [r for r in rows if len(encode_prompt(tokenizer, r["prompt"])) + rl_cfg.max_new_tokens <= context]
+        bounds = [c for c in (context, rl_cfg.seq_len) if c is not None]
+        self.context = min(bounds) if bounds else None
+        if self.context is not None:
+            what = (f"the model's context ({context})" if rl_cfg.seq_len is None else
+                    f"rl.seq_len ({rl_cfg.seq_len})" if context is None else
+                    f"the context ({self.context}: the least of the model's {context} and rl.seq_len {rl_cfg.seq_len})")
+            fit = [r for r in rows if len(encode_prompt(tokenizer, r["prompt"])) < self.context]
             self.too_long = len(rows) - len(fit)
             if rows and not fit:
-                raise StageError(f"rl: every one of the {len(rows)} RL prompts plus rl.max_new_tokens "
-                                 f"({rl_cfg.max_new_tokens}) exceeds the model's context ({context}): lower "
-                                 f"rl.max_new_tokens or use a model with a longer context")
+                raise StageError(f"rl: every one of the {len(rows)} RL prompts leaves no room for a completion in "
+                                 f"{what}: raise rl.seq_len or use a model with a longer context")
             if self.too_long:
-                print(f"rl: left out {self.too_long} of {len(rows)} prompts whose tokens plus rl.max_new_tokens "
-                      f"({rl_cfg.max_new_tokens}) exceed the model's context ({context})", file=sys.stderr)
+                print(f"rl: left out {self.too_long} of {len(rows)} prompts that leave no room for a completion in "
+                      f"{what}", file=sys.stderr)
             rows = fit
         self.rows = {}
         for r in rows:
@@ -112,7 +112,8 @@ class Orchestrator:
             raise ConfigError(f"rl.env_mix names environment(s) {unknown} with no RL rows "
                               f"(the data has {sorted(self.rows)})")
         judge = judge_from_config(getattr(rl_cfg, "judge", None))  # math and science re-check rule negatives
-        self.envs = {name: get_env(name, judge=judge) for name in self.rows}
+        code = {"max_tests": rl_cfg.code_max_tests, "partial_credit": rl_cfg.code_partial_credit}
+        self.envs = {name: get_env(name, judge=judge, **(code if name == "code" else {})) for name in self.rows}
         self.mix = [(e, w) for e, w in rl_cfg.env_mix.items() if w > 0]
         self.rng = random.Random(seed)
         self.cursor = {e: 0 for e in self.rows}
@@ -171,8 +172,10 @@ class Orchestrator:
         self.filter_rate = state.get("filter_rate", 0.0)
 
     # -- scheduling ----------------------------------------------------------------------------------------
-    def _params(self, gid: int) -> SamplingParams:
-        return SamplingParams(max_new_tokens=self.cfg.max_new_tokens, temperature=self.cfg.temperature,
+    def _params(self, gid: int, prompt_len: int) -> SamplingParams:
+        """At most max_new_tokens, and no more than the context leaves after the prompt (the sample so far)."""
+        room = self.cfg.max_new_tokens if self.context is None else self.context - prompt_len
+        return SamplingParams(max_new_tokens=min(self.cfg.max_new_tokens, room), temperature=self.cfg.temperature,
                               top_p=1.0, seed=self.cfg.seed * 1_000_003 + gid)
 
     def _submit(self, group: Group, samples: list[int]) -> None:
@@ -180,7 +183,7 @@ class Orchestrator:
             self.requests[self.next_rid] = (group.gid, s)
             # a multi-turn sample goes on from its transcript so far (also when a later turn is rescheduled)
             prompt = group.prompt_ids + group.transcripts[s].ids if s in group.transcripts else group.prompt_ids
-            self.outbox.append(Request(self.next_rid, prompt, self._params(group.gid * 1000 + s),
+            self.outbox.append(Request(self.next_rid, prompt, self._params(group.gid * 1000 + s, len(prompt)),
                                        self.engine.policy_version))
             self.next_rid += 1
         if self.cfg.max_async_level > 0:  # at once: the engine may start on it while the rest is handled
@@ -237,8 +240,8 @@ class Orchestrator:
                 if env.multi_turn:
                     t = group.transcripts.setdefault(s, Transcript())
                     t.add_model(completion)
-                    room = None if self.context is None else \
-                        self.context - len(group.prompt_ids) - self.cfg.max_new_tokens
+                    # the transcript may grow while the next turn has room for one token (its request is capped)
+                    room = None if self.context is None else self.context - len(group.prompt_ids) - 1
                     reply = next_reply(env, self.tokenizer, t, group.row, room)
                     if reply is not None:  # a tool call: the environment answers and the sample goes on
                         t.add_env(reply)
@@ -272,6 +275,9 @@ class Orchestrator:
             if res.errors:
                 self.counters["reward_errors"] += len(res.errors)
             self.counters.update(res.counts)  # the judge's calls, flips and errors
+            if res.masked and not self.cfg.mask_sandbox_failures:  # prime-rl: no masking, scored as a wrong answer
+                self.counters["samples_unjudged_scored_0"] += 1
+                res = RewardResult(reward=0.0, metrics=res.metrics, errors=res.errors)
             if res.masked:  # not a wrong answer: the sample leaves the loss and the group mean
                 self.counters["samples_masked"] += 1
             group.rewards.append(res.reward)
@@ -418,6 +424,7 @@ class Orchestrator:
             "judge_flips": delta["judge_flips"],  # ... that it found right
             "judge_errors": delta["judge_errors"],  # ... that it gave no verdict on: the rule's stands
             "masked_samples": delta["samples_masked"],
+            "unjudged_scored_0": delta["samples_unjudged_scored_0"],  # rl.mask_sandbox_failures=false
             "tool_calls": delta["tool_calls"],
             "out_of_context_samples": delta["samples_out_of_context"],
             "staleness": dict(sorted(versions.items())),
