@@ -309,14 +309,16 @@ class RLConfig:
 
 @dataclass
 class BenchmarkConfig:
-    """One benchmark of recipe/eval/benchmarks.py to run; null settings take the registry's (the paper's k) or,
-    for sampling, eval.temperature / top_p / max_new_tokens."""
+    """One benchmark of recipe/eval/benchmarks.py to run; null settings take the registry's (the release k) or,
+    for sampling, eval.temperature / top_p / top_k / max_new_tokens, and where those are null too the model's
+    generation_config.json (recipe/eval/sampling.py)."""
 
     name: str = ""
     samples: Optional[int] = None  # k of avg@k
     pass_k: Optional[List[int]] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
+    top_k: Optional[int] = None  # -1: no top-k
     max_new_tokens: Optional[int] = None
     max_problems: Optional[int] = None  # cap, for smoke runs
     # contest-date window (YYYY-MM-DD, both ends included) of benchmarks whose rows carry one (LiveCodeBench)
@@ -331,9 +333,12 @@ class EvalConfig:
         default_factory=lambda: [CheckpointName.base, CheckpointName.sft, CheckpointName.rl])
     samples: int = 4  # k of avg@k
     pass_k: List[int] = field(default_factory=lambda: [1, 4])
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_new_tokens: int = 96
+    # sampling; null: the model folder's generation_config.json, else vLLM's neutral default (temperature and
+    # top_p 1, no top-k), max_new_tokens whatever the context leaves (recipe/eval/sampling.py)
+    temperature: Optional[float] = 1.0
+    top_p: Optional[float] = 1.0
+    top_k: Optional[int] = None  # -1: no top-k
+    max_new_tokens: Optional[int] = 96
     batch_size: int = 128
     max_problems_per_task: Optional[int] = None
     threads: int = 2
@@ -509,6 +514,7 @@ RANGES: dict[str, Range] = {
     "eval.pass_k": AT_LEAST_1,  # each k; at most eval.samples (validate)
     "eval.temperature": AT_LEAST_0,
     "eval.top_p": SHARE_OPEN,
+    "eval.top_k": Range(-1),  # -1 (or 0): no top-k
     "eval.max_new_tokens": AT_LEAST_1,
     "eval.batch_size": AT_LEAST_1,
     "eval.max_problems_per_task": AT_LEAST_1,
@@ -522,6 +528,7 @@ RANGES: dict[str, Range] = {
     "eval.benchmarks[].pass_k": AT_LEAST_1,
     "eval.benchmarks[].temperature": AT_LEAST_0,
     "eval.benchmarks[].top_p": SHARE_OPEN,
+    "eval.benchmarks[].top_k": Range(-1),
     "eval.benchmarks[].max_new_tokens": AT_LEAST_1,
     "eval.benchmarks[].max_problems": AT_LEAST_1,
     # launcher (the SLURM placement is checked by recipe.launch)
@@ -701,7 +708,7 @@ def validate(cfg) -> None:
         # a completion needs room for its prompt: the tiny prompts are tens of tokens
         for key in ("rl.max_new_tokens", "eval.max_new_tokens"):
             value = OmegaConf.select(cfg, key)
-            if value + MIN_PROMPT_TOKENS > ctx:
+            if value is not None and value + MIN_PROMPT_TOKENS > ctx:
                 _fail(f"{key} ({value}) plus a prompt ({MIN_PROMPT_TOKENS} tokens or more) must fit the model's "
                       f"context, model.tiny.max_position_embeddings ({ctx})")
         for key in ("base.max_length", "sft.max_length"):
@@ -828,6 +835,18 @@ def load_config(overrides: List[str] | None = None):
     return cfg
 
 
+def drop_unset_top_k(ev) -> None:
+    """eval.top_k and eval.benchmarks[].top_k, when null, out of a config container (in place): added later, so
+    that runs made before them keep their hashes and keys."""
+    if not isinstance(ev, dict):
+        return
+    if ev.get("top_k", 0) is None:
+        ev.pop("top_k")
+    for b in ev.get("benchmarks") or []:
+        if isinstance(b, dict) and b.get("top_k", 0) is None:
+            b.pop("top_k")
+
+
 def config_hash(cfg, keys: List[str] | None = None) -> str:
     """sha256 of the resolved config (or of some of its sections), stable across runs."""
     data = OmegaConf.to_container(cfg, resolve=True)
@@ -840,6 +859,7 @@ def config_hash(cfg, keys: List[str] | None = None) -> str:
         data["data"]["max_pass_rate"] = 0.874
     if isinstance(data.get("model"), dict):
         data["model"].pop("arch", None)  # read by the launcher's plan alone: no stage's output depends on it
+    drop_unset_top_k(data.get("eval"))
     if keys is not None:
         data = {k: data[k] for k in keys}
     blob = json.dumps(data, sort_keys=True).encode()

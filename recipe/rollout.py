@@ -23,6 +23,7 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_p: float = 1.0
     seed: int = 0
+    top_k: int = -1  # -1: no top-k (RL never sets it; eval takes it from its config or generation_config.json)
 
 
 @dataclass

@@ -28,7 +28,8 @@ from recipe.chat import encode_prompt
 from tests.fakes import CharTokenizer
 
 NAMES = list(B.REGISTRY)
-PAPER_K = {"math500": 1, "aime24": 32, "aime25": 32, "lcb_v6": 2, "gpqa_diamond": 4, "hle": 1, "mmlu_pro": 1}
+# k of the release evals: prime-rl configs/int3/eval/full-eval.toml, rollouts_per_example of each environment
+RELEASE_K = {"math500": 4, "aime24": 64, "aime25": 64, "lcb_v6": 2, "gpqa_diamond": 8, "hle": 1, "mmlu_pro": 1}
 THINK = "<think>reasoning</think>\n"
 # LiveCodeBench fixture programs, by question_id
 PROGRAMS = {
@@ -116,26 +117,35 @@ def completions(row: dict) -> tuple[str, str]:
 # ---------------------------------------------------------------- registry
 
 
-def test_registry_pins_every_dataset_and_follows_the_papers_protocol():
+def test_registry_pins_every_dataset_and_follows_the_release_protocol():
     from recipe.eval.benchmarks import PAPER_ORDER as PAPER_COLUMNS
 
-    assert set(NAMES) == set(PAPER_K) == set(B.PAPER_ORDER) and PAPER_COLUMNS == B.PAPER_ORDER
+    assert set(NAMES) == set(RELEASE_K) == set(B.PAPER_ORDER) and PAPER_COLUMNS == B.PAPER_ORDER
     for name, spec in B.REGISTRY.items():
         assert len(spec.revision) == 40 and all(c in "0123456789abcdef" for c in spec.revision), name
-        assert spec.samples == PAPER_K[name] and max(spec.pass_k) <= spec.samples
+        assert spec.samples == RELEASE_K[name] and max(spec.pass_k) <= spec.samples
         assert spec.env in ENVIRONMENTS and (B.FIXTURES / f"{name}.jsonl").exists()
     assert B.REGISTRY["gpqa_diamond"].config_name == "gpqa_diamond"
     assert B.REGISTRY["lcb_v6"].all_tests_must_pass and B.REGISTRY["lcb_v6"].data_files[-1] == "test6.jsonl"
 
 
-def test_intellect3_eval_config_lists_every_benchmark_with_the_papers_k():
+def test_intellect3_eval_config_lists_every_benchmark_with_the_release_k_and_sampling():
+    """full-eval.toml sets k and max_tokens 81920, nothing else: temperature, top_p and top_k come from the
+    model's generation_config.json, or vLLM's neutral values when it sets none."""
     ev = load_config(["preset=intellect3"]).eval
     assert [b.name for b in ev.benchmarks] == ["math500", "aime24", "aime25", "lcb_v6", "gpqa_diamond", "hle",
                                                "mmlu_pro"]
-    specs = {b.name: B.resolve(b, ev) for b in ev.benchmarks}
-    assert {n: s.samples for n, s in specs.items()} == PAPER_K
-    assert all(s.max_new_tokens == 81920 for s in specs.values())
+    generation = {"temperature": 0.6, "top_p": 0.95}
+    specs = {b.name: B.resolve(b, ev, generation) for b in ev.benchmarks}
+    assert {n: s.samples for n, s in specs.items()} == RELEASE_K
+    for s in specs.values():
+        assert (s.temperature, s.top_p, s.top_k, s.max_new_tokens) == (0.6, 0.95, -1, 81920)
+        assert s.protocol()["temperature_source"] == s.protocol()["top_p_source"] == "generation_config.json"
+        assert s.protocol()["top_k_source"] == "default" and s.protocol()["max_new_tokens_source"] == "config"
     assert specs["lcb_v6"].contest_dates == ("2024-08-01", "2025-05-01")
+    neutral = B.resolve(ev.benchmarks[0], ev, {})
+    assert (neutral.temperature, neutral.top_p) == (1.0, 1.0) and dict(neutral.sources)["temperature"] == "default"
+    assert (ev.temperature, ev.top_p, ev.top_k, ev.max_new_tokens) == (None, None, None, 81920)  # held-out alike
     assert load_config(["preset=tiny"]).eval.benchmarks == []  # the tiny preset keeps its held-out suite only
 
 
@@ -144,7 +154,7 @@ def test_resolve_takes_config_then_registry_then_eval_defaults():
     spec = B.resolve(BenchmarkConfig(name="aime24", samples=4, top_p=0.5), ev)
     assert (spec.samples, spec.pass_k, spec.temperature, spec.top_p, spec.max_new_tokens, spec.max_problems) == \
         (4, (1,), 0.7, 0.5, 64, 3)
-    assert B.resolve(BenchmarkConfig(name="aime24"), ev).pass_k == (1, 8, 32)
+    assert B.resolve(BenchmarkConfig(name="aime24"), ev).pass_k == (1, 8, 32, 64)
 
 
 # ---------------------------------------------------------------- fixtures through the converters
@@ -434,7 +444,8 @@ def test_each_benchmark_end_to_end_through_the_runner(name, tmp_path, sandbox):
 
 
 def test_a_killed_benchmark_resumes_from_its_finished_problems(tmp_path):
-    spec = dataclasses.replace(B.REGISTRY["gpqa_diamond"], temperature=1.0, top_p=1.0, max_new_tokens=32)
+    spec = dataclasses.replace(B.REGISTRY["gpqa_diamond"], samples=4, pass_k=(1, 4), temperature=1.0, top_p=1.0,
+                               max_new_tokens=32)
     rows = fixture_rows("gpqa_diamond")
     correct = lambda i: i + 1  # noqa: E731
     with pytest.raises(KeyboardInterrupt):  # batch 4 = one problem (k=4) a call; killed in the second
@@ -472,10 +483,13 @@ def test_make_eval_runs_the_configured_benchmarks_and_reports_them(tmp_path, mon
 
     def engine_for(cfg, path, out):
         rows = [r for n in ("gpqa_diamond", "hle") for r in fixture_rows(n)]
-        made.append(ScriptedBenchEngine(rows, 4, correct=lambda i: 4))
+        made.append(ScriptedBenchEngine(rows, 8, correct=lambda i: 8))
         return made[-1]
 
     load = B.load_benchmark
+    read = []  # the base checkpoint is the hub model: its generation_config.json at the pinned revision
+    monkeypatch.setattr(ev.sampling, "read_generation_config",
+                        lambda model, revision=None: read.append((model, revision)) or {"temperature": 0.6})
     monkeypatch.setattr(ev, "make_eval_engine", engine_for)
     monkeypatch.setattr(ev, "load_benchmark", lambda spec, **kw: load(spec, offline_fixture=True))
     args = [f"run_root={tmp_path / 'runs'}", "preset=intellect3", "eval.checkpoints=[base]", "eval.held_out=false",
@@ -483,11 +497,17 @@ def test_make_eval_runs_the_configured_benchmarks_and_reports_them(tmp_path, mon
     ev.main(args)
     out = tmp_path / "runs" / "intellect3" / "eval" / "base"
     gpqa = json.loads((out / "gpqa_diamond" / "results.json").read_text())
-    assert gpqa["benchmark"]["avg@4"] == 1.0 and gpqa["protocol"]["samples"] == 4 and gpqa["checkpoint"] == "base"
+    assert gpqa["benchmark"]["avg@8"] == 1.0 and gpqa["protocol"]["samples"] == 8 and gpqa["checkpoint"] == "base"
+    assert read[0] == ("zai-org/GLM-4.5-Air-Base", load_config(["preset=intellect3"]).model.revision)
+    proto = gpqa["protocol"]
+    assert (proto["temperature"], proto["temperature_source"]) == (0.6, "generation_config.json")
+    assert (proto["top_p"], proto["top_p_source"], proto["top_k"], proto["top_k_source"]) == (1.0, "default", -1,
+                                                                                            "default")
+    assert (proto["max_new_tokens"], proto["max_new_tokens_source"]) == (81920, "config")
     assert json.loads((out / "hle" / "results.json").read_text())["benchmark"]["avg@2"] == 1.0
     report = (tmp_path / "runs" / "RESULTS.md").read_text()
     assert "| INTELLECT-3 (paper) | 98.1 | 90.8 | 88.0 | 69.3 | 74.4 | 14.6 | 81.9 |" in report
-    assert "| protocol (paper) | avg@1 | avg@32 | avg@32 | avg@2 | avg@4 | avg@1 | avg@1 |" in report
+    assert "| protocol (release evals) | avg@4 | avg@64 | avg@64 | avg@2 | avg@8 | avg@1 | avg@1 |" in report
     assert ("| this recipe: `intellect3` base | not run | not run | not run | not run | 100.0 (n=3) | "
             "100.0 (avg@2, n=2) | not run |") in report
     assert "| this recipe: `intellect3` rl | not run |" in report
@@ -495,3 +515,88 @@ def test_make_eval_runs_the_configured_benchmarks_and_reports_them(tmp_path, mon
     assert len(made) == 1 and "already evaluated" in capsys.readouterr().out
 
 
+
+
+# ---------------------------------------------------------------- sampling settings and their sources
+
+
+def test_a_model_folders_generation_config_sets_what_the_config_leaves_null(tmp_path):
+    from recipe.eval import sampling
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [1, 2], "temperature": 0.6, "top_p": 0.95, "top_k": 40, "do_sample": True}))
+    generation = sampling.read_generation_config(tmp_path)
+    assert generation == {"temperature": 0.6, "top_p": 0.95, "top_k": 40}
+    ev = EvalConfig(temperature=None, top_p=None, top_k=None, max_new_tokens=None)
+    spec = B.resolve(BenchmarkConfig(name="aime24"), ev, generation)
+    proto = spec.protocol()
+    assert (proto["temperature"], proto["temperature_source"]) == (0.6, "generation_config.json")
+    assert (proto["top_p"], proto["top_p_source"]) == (0.95, "generation_config.json")
+    assert (proto["top_k"], proto["top_k_source"]) == (40, "generation_config.json")
+    assert (proto["max_new_tokens"], proto["max_new_tokens_source"]) == (None, "context")
+    # explicit values win, the benchmark's entry over eval's
+    spec = B.resolve(BenchmarkConfig(name="aime24", temperature=1.0, max_new_tokens=64),
+                     EvalConfig(temperature=0.3, top_p=None, top_k=-1, max_new_tokens=None), generation)
+    proto = spec.protocol()
+    assert (proto["temperature"], proto["temperature_source"]) == (1.0, "config")
+    assert (proto["top_p"], proto["top_p_source"]) == (0.95, "generation_config.json")
+    assert (proto["top_k"], proto["top_k_source"]) == (-1, "config")
+    assert (proto["max_new_tokens"], proto["max_new_tokens_source"]) == (64, "config")
+    # a folder without the file: vLLM's neutral values
+    (tmp_path / "generation_config.json").unlink()
+    assert sampling.read_generation_config(tmp_path) == {}
+    neutral = sampling.resolve([("config", ev)], {})
+    assert {k: neutral[k] for k in sampling.KEYS} == {"temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                                                       "max_new_tokens": None}
+
+
+def test_max_new_tokens_not_from_the_config_is_bounded_by_the_context():
+    from recipe.eval import sampling
+
+    unset = sampling.resolve([("config", EvalConfig(max_new_tokens=None))], {})
+    assert sampling.fit_max_new_tokens(unset, 100, 1000) == {**unset, "max_new_tokens": 900,
+                                                             "max_new_tokens_source": "context"}
+    big = sampling.resolve([("config", EvalConfig(max_new_tokens=None))], {"max_new_tokens": 5000})
+    assert sampling.fit_max_new_tokens(big, 100, 1000)["max_new_tokens"] == 900
+    assert sampling.fit_max_new_tokens(big, 100, 1000)["max_new_tokens_source"] == \
+        "generation_config.json, bounded by the context"
+    small = sampling.resolve([("config", EvalConfig(max_new_tokens=None))], {"max_new_tokens": 50})
+    assert sampling.fit_max_new_tokens(small, 100, 1000) == small
+    configured = sampling.resolve([("config", EvalConfig(max_new_tokens=5000))], {"max_new_tokens": 50})
+    assert sampling.fit_max_new_tokens(configured, 100, 1000) == configured  # the config's stands (skips)
+    with pytest.raises(Exception, match="set eval.max_new_tokens"):
+        sampling.fit_max_new_tokens(unset, 100, None)
+
+
+def test_run_benchmark_samples_with_the_resolved_settings_and_fits_max_tokens_to_the_context(tmp_path):
+    rows = fixture_rows("gpqa_diamond")
+
+    class Recording(ScriptedBenchEngine):
+        context = 2000
+
+        def generate(self, prompts, params):
+            self.params = params
+            return super().generate(prompts, params)
+
+    engine = Recording(rows, 2, correct=lambda i: 2)
+    ev = EvalConfig(temperature=None, top_p=None, top_k=None, max_new_tokens=None)
+    spec = B.resolve(BenchmarkConfig(name="gpqa_diamond", samples=2, pass_k=[1]), ev,
+                     {"temperature": 0.6, "top_p": 0.95})
+    res = B.run_benchmark(engine, engine.tokenizer, spec, rows, tmp_path, batch_size=8, seed=0)
+    longest = max(len(encode_prompt(engine.tokenizer, r["prompt"])) for r in rows)
+    p = engine.params
+    assert (p.temperature, p.top_p, p.top_k, p.max_new_tokens) == (0.6, 0.95, -1, 2000 - longest)
+    proto = res["protocol"]
+    assert (proto["max_new_tokens"], proto["max_new_tokens_source"]) == (2000 - longest, "context")
+    assert proto["temperature_source"] == "generation_config.json" and "skipped_too_long" not in res
+
+
+def test_the_eval_servers_take_the_models_generation_config_and_rl_servers_do_not():
+    from recipe.inference.vllm.server import server_command
+
+    cfg = load_config(["preset=tiny"])
+    rl = server_command("/m", cfg)
+    ev = server_command("/m", cfg, generation_config="auto")
+    assert rl[rl.index("--generation-config") + 1] == "vllm" and ev[ev.index("--generation-config") + 1] == "auto"
+    with pytest.raises(ValueError):
+        server_command("/m", cfg, generation_config="model")

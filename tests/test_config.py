@@ -242,7 +242,7 @@ def test_bad_overrides_name_the_problem(override, named):
 @pytest.mark.parametrize("override,named", [
     ("eval.benchmarks=[{name:nope}]", "eval.benchmarks[0].name='nope'"),
     ("eval.benchmarks=[{name:aime24,samples:0}]", "eval.benchmarks[0].samples"),
-    ("eval.benchmarks=[{name:aime24,pass_k:[64]}]", "eval.benchmarks[0].pass_k"),
+    ("eval.benchmarks=[{name:aime24,pass_k:[65]}]", "eval.benchmarks[0].pass_k"),  # k is 64
     ("eval.benchmarks=[{name:math500,contest_date_from:'2024-01-01'}]", "eval.benchmarks[0].contest_date_from"),
     ("eval.benchmarks=[{name:lcb_v6,contest_date_to:'May 2025'}]", "eval.benchmarks[0].contest_date_to"),
     ("eval.benchmarks=[{name:hle},{name:hle}]", "listed twice"),
@@ -347,3 +347,28 @@ def test_keys_of_a_null_architecture_block_get_an_error_that_names_it(override):
 def test_a_hub_models_context_is_not_checked_against_the_tiny_one():
     cfg = load_config(["preset=gpu_small", "rl.max_new_tokens=4096", "sft.max_length=8192"])
     assert cfg.rl.max_new_tokens == 4096  # Qwen3's context is known from its config.json, not here
+
+
+def test_eval_top_k_is_range_checked_and_a_null_one_leaves_the_config_hash_as_it_was():
+    """eval.top_k and eval.benchmarks[].top_k came later: null (the default) is left out of the hash, so that
+    finished runs keep their stage hashes; a value counts."""
+    import hashlib
+    import json
+
+    from omegaconf import OmegaConf
+
+    from recipe.config import config_hash
+
+    cfg = load_config(["eval.benchmarks=[{name:aime24}]"])
+    data = OmegaConf.to_container(cfg, resolve=True)
+    assert data["eval"]["top_k"] is None and data["eval"]["benchmarks"][0]["top_k"] is None
+    del data["eval"]["top_k"], data["eval"]["benchmarks"][0]["top_k"]
+    data["data"].pop("extra_tasks", None)
+    data["model"].pop("arch", None)
+    before = hashlib.sha256(json.dumps({"eval": data["eval"]}, sort_keys=True).encode()).hexdigest()[:16]
+    assert config_hash(cfg, ["eval"]) == before
+    assert config_hash(load_config(["eval.benchmarks=[{name:aime24}]", "eval.top_k=20"]), ["eval"]) != before
+    with pytest.raises(ConfigError, match="eval.top_k"):
+        load_config(["eval.top_k=-2"])
+    with pytest.raises(ConfigError, match=re.escape("eval.benchmarks[0].top_k")):
+        load_config(["eval.benchmarks=[{name:aime24,top_k:-5}]"])

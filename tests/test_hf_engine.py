@@ -139,3 +139,21 @@ def test_reloading_weights_every_step_keeps_no_objects_behind(engine, tmp_path):
         tracemalloc.stop()
     tensors = len(engine.model.state_dict())
     assert grown < tensors, f"{grown} objects left by 30 reloads of {tensors} tensors"
+
+
+def test_top_k_keeps_the_k_likeliest_tokens_and_top_p_applies_to_what_is_left(engine):
+    from recipe.inference.hf import _top_k
+
+    logp = torch.log_softmax(torch.tensor([[3.0, 2.0, 1.0, 0.0, -1.0]]), -1)
+    kept = _top_k(logp, 2)
+    assert torch.isinf(kept[0, 2:]).all() and torch.allclose(kept[0, :2].exp().sum(), torch.tensor(1.0))
+    assert torch.equal(_top_k(logp, -1), logp) and torch.equal(_top_k(logp, 0), logp)
+    # top-p over the renormalised top-2: token 0 alone holds 0.73 of that mass
+    assert torch.isinf(_top_p(_top_k(logp, 2), 0.7)[0, 1:]).all()
+    # top_k 1 samples the argmax: the greedy tokens, and the reported logprobs stay the full distribution's
+    for p in prompts(engine)[:2]:
+        greedy = engine.generate([p], SamplingParams(max_new_tokens=8, temperature=0.0, seed=0))[0]
+        one = engine.generate([p], SamplingParams(max_new_tokens=8, temperature=1.0, top_k=1, seed=3))[0]
+        assert one.token_ids == greedy.token_ids
+        ref = full_forward_logprobs(engine, p, one.token_ids, 1.0)
+        assert torch.allclose(ref, torch.tensor(one.logprobs), atol=1e-4)

@@ -18,8 +18,8 @@ LAYERS = [
     ["recipe.rollout"],
     ["recipe.inference"],
     ["recipe.data"],
-    ["recipe.eval.metrics", "recipe.eval.runner", "recipe.rl.loss", "recipe.rl.muon", "recipe.rl.dist",
-     "recipe.rl.trainer", "recipe.rl.orchestrator", "recipe.sft"],
+    ["recipe.eval.metrics", "recipe.eval.runner", "recipe.eval.sampling", "recipe.rl.loss", "recipe.rl.muon",
+     "recipe.rl.dist", "recipe.rl.trainer", "recipe.rl.orchestrator", "recipe.sft"],
     ["recipe.eval.benchmarks"],
     ["recipe.eval.report"],
     # stages: the entry points and what only they use

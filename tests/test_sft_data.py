@@ -145,3 +145,136 @@ def test_a_short_sft_run_trains_on_the_masked_dataset(tiny, tmp_path):
     losses = [json.loads(x)["loss"] for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()
               if "loss" in json.loads(x)]
     assert len(losses) == 2 and all(0 < x < 100 for x in losses)
+
+
+# ---------------------------------------------------------------- tools and tool calls through the template
+
+# recipe.chat.CHAT_TEMPLATE as it was before tools were rendered: a row without tool calls or tools must render
+# byte for byte as it did (the tiny pipeline's learning depends on its ids)
+TEMPLATE_BEFORE_TOOLS = (
+    "[gMASK]<sop>"
+    "{%- for m in messages -%}"
+    "<|{{ m['role'] }}|>\n{{ m['content'] }}"
+    "{%- if m['role'] == 'assistant' -%}<|endoftext|>{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt %}<|assistant|>\n{% endif -%}"
+)
+
+
+def _hub_rows():
+    from pathlib import Path
+
+    from recipe.data.hub import sft_row
+
+    path = Path(__file__).resolve().parent.parent / "data" / "fixtures" / "intellect3_sft.jsonl"
+    raws = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [sft_row(raw, "fixture", i) for i, raw in enumerate(raws)]
+
+
+def _spans(tok, got) -> list[tuple[int, str]]:
+    """(mask, decoded text) of each run of equal mask values."""
+    spans, ids, value = [], [], got["assistant_masks"][0]
+    for i, m in zip(got["input_ids"], got["assistant_masks"]):
+        if m != value:
+            spans.append((value, tok.decode(ids)))
+            ids, value = [], m
+        ids.append(i)
+    return spans + [(value, tok.decode(ids))]
+
+
+def test_a_hub_tool_row_renders_its_tools_and_qwen3_coder_calls_and_masks_the_tool_result(tiny):
+    from recipe.chat import TOOLS_HEADER, messages, parse_tool_call, template_tools, tool_response
+    from recipe.sft import chat_dataset
+
+    _, tok, _ = tiny
+    rows = _hub_rows()
+    row = next(r for r in rows if json.loads(r["tools"]))
+    assert json.loads(row["completion"][0]["tool_calls"])[0]["function"]["name"] == "get_current_time"
+    tools = template_tools(row)
+    text = tok.apply_chat_template(messages(row["prompt"]) + messages(row["completion"]), tools=tools,
+                                   tokenize=False)
+    call = ("<tool_call>\n<function=get_current_time>\n<parameter=timezone>\nEurope/Lisbon\n</parameter>\n"
+            "</function>\n</tool_call>")
+    definition = json.dumps(json.loads(row["tools"])[0], ensure_ascii=False)
+    assert text.startswith(f"[gMASK]<sop><|system|>\n{TOOLS_HEADER}\n{definition}\n</tools><|system|>\n")
+    assert f"</think>\n\n{call}{OBSERVATION}\n<tool_response>" in text
+    result = row["completion"][1]["content"]
+    assert f"{OBSERVATION}{tool_response(result)}<think>The tool says 14:05." in text
+
+    got = chat_dataset([row], tok)[0]
+    assert tok.decode(got["input_ids"]) == text
+    spans = _spans(tok, got)
+    # prompt (tools block, system, user) out; the call and its stop token in; the tool's result out; answer in
+    assert [m for m, _ in spans] == [0, 1, 0, 1]
+    assert spans[0][1].startswith("[gMASK]<sop><|system|>\n# Tools") and spans[0][1].endswith(f"{ASSISTANT}\n")
+    assert spans[1][1].endswith(call + OBSERVATION) and parse_tool_call(spans[1][1]) == \
+        ("get_current_time", {"timezone": "Europe/Lisbon"})
+    assert spans[2][1] == tool_response(result)
+    assert spans[3][1] == "<think>The tool says 14:05.\n</think>\n\nIt is 14:05 in Lisbon right now.<|endoftext|>"
+
+
+def test_rows_without_tools_render_byte_for_byte_as_before(tiny):
+    """The hub fixture's plain rows and every tiny row (the tools task's included: its tools stay in its
+    instruction, as in RL) give the same text and the same ids and mask as the template before tools."""
+    from recipe.chat import messages, template_tools
+    from recipe.sft import chat_dataset, tokenize_chat_row
+
+    _, tok, rows = tiny
+    hub_plain = [r for r in _hub_rows() if not json.loads(r["tools"])]
+    assert len(hub_plain) == 3 and any(r["env"] == "tools" and json.loads(r["tools"]) for r in rows)
+    for row in hub_plain + rows:
+        assert template_tools(row) is None
+        conversation = messages(row["prompt"]) + messages(row["completion"])
+        for add_generation_prompt, msgs in ((False, conversation), (True, messages(row["prompt"]))):
+            new = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt)
+            old = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                          chat_template=TEMPLATE_BEFORE_TOOLS)
+            assert new == old
+    dataset = chat_dataset(hub_plain + rows, tok)
+    for row, got in zip(hub_plain + rows, dataset):
+        assert got == tokenize_chat_row(tok, row["prompt"], row["completion"])
+
+
+class _RecordingTokenizer:
+    """Stands in for a hub tokenizer: records what apply_chat_template is given; renders nothing of its own."""
+
+    def __init__(self):
+        self.calls = []
+
+    def apply_chat_template(self, conversation, **kwargs):
+        self.calls.append((conversation, kwargs))
+        return "".join(m["content"] for m in conversation)
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text]
+
+
+def test_a_hub_tokenizer_is_handed_the_tools_and_the_tool_calls():
+    """For the real model the hub tokenizer's own template renders: it gets tools= and messages whose tool calls
+    have their arguments as an object (what GLM-4.5's and qwen3_coder's templates iterate)."""
+    from recipe.sft import chat_dataset
+
+    rows = _hub_rows()
+    tok = _RecordingTokenizer()
+    chat_dataset(rows, tok)
+    with_tools = [(c, kw) for c, kw in tok.calls if "tools" in kw]
+    assert len(with_tools) == 2  # the tool row's prompt and its whole conversation; no other row passes tools
+    conversation, kwargs = with_tools[-1]
+    assert kwargs["tools"][0]["function"]["name"] == "get_current_time"
+    assert conversation[2]["tool_calls"] == [{"id": "call_lisbon_0", "type": "function", "function": {
+        "name": "get_current_time", "arguments": {"timezone": "Europe/Lisbon"}}}]
+    assert conversation[3] == {"role": "tool", "content": '{"timezone": "Europe/Lisbon", "time": "14:05"}'}
+    called = [m for c, _ in tok.calls for m in c if "tool_calls" in m]
+    assert called and all(m["role"] == "assistant" and m["tool_calls"] == conversation[2]["tool_calls"]
+                          for m in called)
+
+
+def test_a_tool_call_that_does_not_parse_names_its_row():
+    from recipe.errors import DataError
+    from recipe.sft import chat_dataset
+
+    row = next(r for r in _hub_rows() if json.loads(r["tools"]))
+    bad = {**row, "completion": [{**row["completion"][0], "tool_calls": '[{"function": {"name": "f", '
+                                                                         '"arguments": "{not json"}}]'}]}
+    with pytest.raises(DataError, match=row["id"]):
+        chat_dataset([bad], _RecordingTokenizer())

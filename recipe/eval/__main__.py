@@ -3,9 +3,15 @@ that eval.benchmarks lists (each with its own k and sampling), then RESULTS.md.
 
 Output: eval/<checkpoint>/{results.json, samples.jsonl} for the held-out suite and
 eval/<checkpoint>/<benchmark>/{results.json, samples.jsonl} for each benchmark; one engine serves them all.
+
+Sampling: what the eval config leaves null comes from the checkpoint's generation_config.json, as the release
+evals' vLLM servers took it (recipe/eval/sampling.py); each results.json records every setting with its source
+(`sampling` for the held-out suite, `protocol` for a benchmark). The vLLM servers run with
+`--generation-config auto` for the same reason.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import time
@@ -14,12 +20,14 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from recipe.config import EngineKind, config_hash
+from recipe.chat import encode_prompt
+from recipe.config import EngineKind, config_hash, drop_unset_top_k
 from recipe.data.schema import read_split
 from recipe.errors import StageError
+from recipe.eval import sampling
 from recipe.eval.benchmarks import load_benchmark, resolve, run_benchmark, validate_benchmarks
 from recipe.eval.report import write_report
-from recipe.eval.runner import evaluate
+from recipe.eval.runner import evaluate, model_context
 from recipe.inference.hf import HFEngine
 from recipe.inference.vllm import VLLMEngine
 from recipe.runs import (STAGE_KEYS, Stage, done_hash, provenance, require_done, sha256_tree, stage_dir, stage_main,
@@ -44,7 +52,8 @@ def checkpoint_path(cfg, name: str):
 def make_eval_engine(cfg, path, out_dir):
     if cfg.eval.engine == EngineKind.hf:
         return HFEngine.from_pretrained(str(path), batch_size=cfg.eval.batch_size)
-    return VLLMEngine(str(path), cfg, log_path=out_dir / "vllm_server.log")
+    # `auto`: the model's generation_config.json is the server's default, as in the release evals
+    return VLLMEngine(str(path), cfg, log_path=out_dir / "vllm_server.log", generation_config="auto")
 
 
 def _sha(data) -> str:
@@ -53,7 +62,22 @@ def _sha(data) -> str:
 
 def held_out_hash(cfg) -> str:
     ev = OmegaConf.to_container(cfg.eval, resolve=True)
+    drop_unset_top_k(ev)
     return _sha({"eval": {k: v for k, v in ev.items() if k not in BENCHMARK_KEYS}})
+
+
+def generation_config(cfg, path) -> dict:
+    """The sampling keys of the checkpoint's generation_config.json: a model folder's, or the hub model's at the
+    pinned revision (base of a hub preset)."""
+    return sampling.read_generation_config(path, None if isinstance(path, Path) else cfg.model.revision)
+
+
+def held_out_config(cfg, chosen: dict, engine, rows: list[dict]):
+    """cfg.eval with the held-out suite's sampling settings resolved (`chosen`, sampling.resolve) and its
+    max_new_tokens fitted to the engine's context; returns (that config, the settings with their sources)."""
+    longest = max((len(encode_prompt(engine.tokenizer, r["prompt"])) for r in rows), default=0)
+    chosen = sampling.fit_max_new_tokens(chosen, longest, model_context(engine))
+    return dataclasses.replace(OmegaConf.to_object(cfg.eval), **{k: chosen[k] for k in sampling.KEYS}), chosen
 
 
 def held_out_rows(cfg) -> list[dict]:
@@ -103,7 +127,6 @@ def main(cfg):
 def run_eval(cfg, stage: Stage) -> None:
     data_dir = stage_dir(cfg, "data")
     rows = held_out_rows(cfg) if cfg.eval.held_out else []
-    specs = [resolve(b, cfg.eval) for b in cfg.eval.benchmarks]
     bench_rows: dict[str, list[dict]] = {}
     # every checkpoint is checked against this config before any work
     paths = {name: checkpoint_path(cfg, name) for name in cfg.eval.checkpoints}
@@ -118,6 +141,10 @@ def run_eval(cfg, stage: Stage) -> None:
         out = stage.dir / name
         out.mkdir(parents=True, exist_ok=True)
         model_sha = _sha(sha256_tree(path)) if not isinstance(path, str) else f"{path}@{cfg.model.revision}"
+        # sampling settings the config leaves null come from this checkpoint's generation_config.json
+        generation = generation_config(cfg, path)
+        specs = [resolve(b, cfg.eval, generation) for b in cfg.eval.benchmarks]
+        held = sampling.resolve([(sampling.CONFIG, cfg.eval)], generation)
         jobs = []
         if cfg.eval.held_out:
             key = f"{held_out_hash(cfg)}-{model_sha}-{len(rows)}"
@@ -142,7 +169,9 @@ def run_eval(cfg, stage: Stage) -> None:
             for spec, key in jobs:
                 started = time.time()
                 if spec is None:
-                    res = evaluate(engine, engine.tokenizer, rows, cfg.eval, out, desc=f"eval {name}")
+                    ecfg, chosen = held_out_config(cfg, held, engine, rows)
+                    res = evaluate(engine, engine.tokenizer, rows, ecfg, out, desc=f"eval {name}")
+                    res["sampling"] = chosen
                     res_path, inputs = out / "results.json", {"model": path, "eval_data": data_dir / "eval.parquet"}
                     summary = ", ".join(f"{e} {v.get(f'avg@{cfg.eval.samples}', 0):.3f}" for e, v in res["env"].items())
                     label = name

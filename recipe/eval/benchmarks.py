@@ -3,8 +3,10 @@ protocol of each, and converters from each dataset's own rows to the project's r
 
 Scorers are environments (recipe/envs): `math` (math-verify) for MATH-500 and AIME, `science` (the option
 letter) for GPQA, MMLU-Pro and HLE's multiple-choice rows, `exact` for HLE's exact-match rows, `code` (the
-sandbox's tests, all of them must pass) for LiveCodeBench. Samples per problem follow the paper: AIME avg@32,
-GPQA avg@4, LiveCodeBench avg@2, the rest avg@1.
+sandbox's tests, all of them must pass) for LiveCodeBench. Samples per problem follow the release evals,
+prime-rl `configs/int3/eval/full-eval.toml` (PR 1272, 62a9a16; docs/recipe.md, "Evaluation"): MATH-500 avg@4,
+AIME avg@64, GPQA avg@8, LiveCodeBench avg@2, HLE and MMLU-Pro avg@1. Sampling settings and their sources:
+recipe/eval/sampling.py.
 
 validate_benchmarks checks eval.benchmarks against this registry; the eval and plan stages call it.
 """
@@ -31,12 +33,14 @@ import datasets
 from huggingface_hub import hf_hub_download
 
 from recipe import hub
+from recipe.chat import encode_prompt
 from recipe.config import EvalConfig
 from recipe.data.schema import message
 from recipe.envs.math import INSTRUCTION as MATH_INSTRUCTION
 from recipe.errors import ConfigError, HubError, StageError
+from recipe.eval import sampling
 from recipe.eval.metrics import summarize
-from recipe.eval.runner import evaluate, problem_records
+from recipe.eval.runner import evaluate, model_context, problem_records
 
 FIXTURES = Path(__file__).resolve().parent.parent.parent / "data" / "fixtures" / "benchmarks"
 SPLIT = "eval"  # the schema's split of every benchmark row
@@ -76,17 +80,23 @@ class Benchmark:
     data_files: tuple = ()  # read these files of the repository instead of datasets' builder (LCB)
     all_tests_must_pass: bool = False  # code: a sample counts as correct only when every test passes
     contest_dates: Optional[tuple] = None  # (from, to) YYYY-MM-DD, both included; rows outside are left out
-    # sampling; None = the eval config's
+    # sampling; None = the eval config's, else the model's generation_config.json (recipe.eval.sampling)
     temperature: Optional[float] = None
     top_p: Optional[float] = None
+    top_k: Optional[int] = None
     max_new_tokens: Optional[int] = None
     max_problems: Optional[int] = None
+    sources: tuple = ()  # (setting, where its value comes from) of each sampling setting, once resolved
 
     def protocol(self) -> dict:
-        """What a results.json records about how the benchmark was run."""
+        """What a results.json records about how the benchmark was run: every sampling setting beside its
+        source (`temperature` and `temperature_source`, ...)."""
         keys = ["hub_id", "config_name", "split", "revision", "env", "samples", "pass_k", "expected_problems",
                 "all_tests_must_pass", "contest_dates", "temperature", "top_p", "max_new_tokens", "max_problems"]
-        return {k: (list(v) if isinstance(v, tuple) else v) for k in keys for v in [getattr(self, k)]}
+        out = {k: (list(v) if isinstance(v, tuple) else v) for k in keys for v in [getattr(self, k)]}
+        if self.sources:  # a spec built without resolve() records what it always did
+            out.update({"top_k": self.top_k, **{f"{k}_source": s for k, s in self.sources}})
+        return out
 
 
 # ---------------------------------------------------------------- helpers
@@ -268,23 +278,24 @@ _LCB_FILES = ("test.jsonl", "test2.jsonl", "test3.jsonl", "test4.jsonl", "test5.
 
 REGISTRY: dict[str, Benchmark] = {b.name: b for b in [
     Benchmark("math500", "MATH-500", "HuggingFaceH4/MATH-500", None, "test",
-              revision="6e4ed1a2a79af7d8630a6b768ec859cb5af4d3be", env="math", samples=1,
-              prompt=problem_prompt, convert=math500_row, expected_problems=500),
+              revision="6e4ed1a2a79af7d8630a6b768ec859cb5af4d3be", env="math", samples=4,
+              prompt=problem_prompt, convert=math500_row, pass_k=(1, 4), expected_problems=500),
     Benchmark("aime24", "AIME24", "HuggingFaceH4/aime_2024", None, "train",
-              revision="2fe88a2f1091d5048c0f36abc874fb997b3dd99a", env="math", samples=32,
-              prompt=problem_prompt, convert=aime_row, pass_k=(1, 8, 32), expected_problems=30),
+              revision="2fe88a2f1091d5048c0f36abc874fb997b3dd99a", env="math", samples=64,
+              prompt=problem_prompt, convert=aime_row, pass_k=(1, 8, 32, 64), expected_problems=30),
     Benchmark("aime25", "AIME25", "math-ai/aime25", None, "test",
-              revision="563bb8404243c5f09de6ec262f2db674fe5bce9b", env="math", samples=32,
-              prompt=problem_prompt, convert=aime_row, pass_k=(1, 8, 32), expected_problems=30),
+              revision="563bb8404243c5f09de6ec262f2db674fe5bce9b", env="math", samples=64,
+              prompt=problem_prompt, convert=aime_row, pass_k=(1, 8, 32, 64), expected_problems=30),
     Benchmark("lcb_v6", "LCB v6", "livecodebench/code_generation_lite", None, "test",
               revision="0fe84c3912ea0c4d4a78037083943e8f0c4dd505", env="code", samples=2,
               prompt=lcb_prompt, convert=lcb_row, pass_k=(1, 2), expected_problems=454, data_files=_LCB_FILES,
               all_tests_must_pass=True,
-              # unverified: the window taken to give the paper's 454 problems of release_v6
+              # unverified: the window taken to give 454 problems of release_v6; prime-rl's own count is 541
+              # (612fe3a:configs/int3/prod/orch.toml:57), whose window (if any) was not read
               contest_dates=("2024-08-01", "2025-05-01")),
     Benchmark("gpqa_diamond", "GPQA", "Idavidrein/gpqa", "gpqa_diamond", "train",
-              revision="633f5ee89ab8ad4522a9f850766b73f62147ffdd", env="science", samples=4,
-              prompt=gpqa_prompt, convert=gpqa_row, pass_k=(1, 4), expected_problems=198),
+              revision="633f5ee89ab8ad4522a9f850766b73f62147ffdd", env="science", samples=8,
+              prompt=gpqa_prompt, convert=gpqa_row, pass_k=(1, 4, 8), expected_problems=198),
     # text-only subset; HLE grades with an LLM judge, here rules grade (recipe/envs/exact.py): a deviation
     Benchmark("hle", "HLE", "cais/hle", None, "test",
               revision="5a81a4c7271a2a2a312b9a690f0c2fde837e4c29", env="exact", samples=1,
@@ -296,9 +307,11 @@ REGISTRY: dict[str, Benchmark] = {b.name: b for b in [
 PAPER_ORDER = ["math500", "aime24", "aime25", "lcb_v6", "gpqa_diamond", "hle", "mmlu_pro"]  # the paper's columns
 
 
-def resolve(bench_cfg, eval_cfg) -> Benchmark:
+def resolve(bench_cfg, eval_cfg, generation: dict | None = None) -> Benchmark:
     """The registry's benchmark with one config entry's settings applied (null keeps the registry's value, or
-    for sampling the eval config's)."""
+    for sampling the eval config's, then `generation`: the sampling keys of the model's generation_config.json,
+    recipe.eval.sampling.read_generation_config). Each sampling setting's source is kept in `sources`; a
+    max_new_tokens set nowhere stays None, for run_benchmark to fit to the context."""
     spec = REGISTRY[bench_cfg.name]
 
     def pick(*values):
@@ -309,11 +322,12 @@ def resolve(bench_cfg, eval_cfg) -> Benchmark:
     window = spec.contest_dates
     if window is not None:
         window = (pick(bench_cfg.contest_date_from, window[0]), pick(bench_cfg.contest_date_to, window[1]))
+    chosen = sampling.resolve([(sampling.CONFIG, bench_cfg), (sampling.REGISTRY, spec), (sampling.CONFIG, eval_cfg)],
+                              generation or {})
     return dataclasses.replace(
         spec, samples=samples, pass_k=pass_k or (1,), contest_dates=window,
-        temperature=pick(bench_cfg.temperature, spec.temperature, eval_cfg.temperature),
-        top_p=pick(bench_cfg.top_p, spec.top_p, eval_cfg.top_p),
-        max_new_tokens=pick(bench_cfg.max_new_tokens, spec.max_new_tokens, eval_cfg.max_new_tokens),
+        **{k: chosen[k] for k in sampling.KEYS},
+        sources=tuple((k, chosen[f"{k}_source"]) for k in sampling.KEYS),
         max_problems=pick(bench_cfg.max_problems, eval_cfg.benchmark_max_problems, 0) or None)
 
 
@@ -429,10 +443,21 @@ def load_benchmark(spec: Benchmark, cache_dir=None, offline_fixture: bool = Fals
 def run_benchmark(engine, tokenizer, spec: Benchmark, rows: list[dict], out_dir: Path, batch_size: int, seed: int,
                   desc: str = "") -> dict:
     """Every problem k times with the benchmark's sampling settings, through the resumable eval runner; adds the
-    benchmark's own score (avg@k over all its problems) and protocol to the runner's per-env/task results."""
+    benchmark's own score (avg@k over all its problems) and protocol to the runner's per-env/task results.
+    A max_new_tokens that is not the config's is fitted to the engine's context first (recipe.eval.sampling);
+    the protocol records the value sampled with and its source."""
+    context = model_context(engine)
+    sources = dict(spec.sources)
+    fitted = sampling.fit_max_new_tokens(
+        {"max_new_tokens": spec.max_new_tokens, "max_new_tokens_source": sources.get("max_new_tokens", "config")},
+        max((len(encode_prompt(tokenizer, r["prompt"])) for r in rows), default=0), context)
+    if spec.sources:
+        spec = dataclasses.replace(spec, max_new_tokens=fitted["max_new_tokens"], sources=tuple(
+            {**sources, "max_new_tokens": fitted["max_new_tokens_source"]}.items()))
     ecfg = EvalConfig(samples=spec.samples, pass_k=list(spec.pass_k), temperature=spec.temperature,
-                      top_p=spec.top_p, max_new_tokens=spec.max_new_tokens, batch_size=batch_size, seed=seed)
-    res = evaluate(engine, tokenizer, rows, ecfg, Path(out_dir), desc=desc or spec.title)
+                      top_p=spec.top_p, top_k=spec.top_k, max_new_tokens=fitted["max_new_tokens"],
+                      batch_size=batch_size, seed=seed)
+    res = evaluate(engine, tokenizer, rows, ecfg, Path(out_dir), desc=desc or spec.title, context=context)
     records, _ = problem_records(Path(out_dir) / "samples.jsonl", rows, spec.samples)
     res["benchmark"] = summarize([r["scores"] for r in records], list(spec.pass_k))
     res.update({"name": spec.name, "title": spec.title, "protocol": spec.protocol()})

@@ -147,6 +147,11 @@ def _benchmark_cell(path: Path, paper_k: int) -> str:
     return f"{100 * b[f'avg@{k}']:.1f}" + (f" ({', '.join(notes)})" if notes else "")
 
 
+def _temperature(cfg) -> str:
+    t = cfg.eval.temperature
+    return "the checkpoint's generation_config.json (results.json `sampling`)" if t is None else str(t)
+
+
 def paper_section(cfg) -> str:
     """The paper's table beside the rows of this recipe's checkpoints on the same benchmarks (`not run` until a
     run fills them): the full-scale preset's, and the current preset's when it runs benchmarks too."""
@@ -159,14 +164,17 @@ def paper_section(cfg) -> str:
     out = [f"The paper's scores ({PAPER_SOURCE}; published numbers, not measured here) beside this recipe's "
            "checkpoints on the same benchmarks, datasets pinned to revisions (recipe/eval/benchmarks.py). Percent, "
            "avg@k: the mean score over k samples a problem. Reproduce the rows: `make eval PRESET=intellect3` "
-           "after the full-scale stages; `not run` until then. A cell notes its k when it differs from the "
-           "paper's, n when its problem count differs from the paper's protocol, and masked problems (a sandbox "
+           "after the full-scale stages; `not run` until then. The protocol row is the release evals' k (prime-rl "
+           "configs/int3/eval/full-eval.toml). A cell notes its k when it differs from that, n when its problem "
+           "count differs from the paper's protocol, and masked problems (a sandbox "
            "failure: left out, not scored 0). Deviations: HLE is graded by rules (math-verify, then a normalised "
            "string match; the option letter for multiple choice), not by the paper's LLM judge; the LiveCodeBench "
-           "v6 contest window and the sampling settings (server defaults) are unverified.\n\n",
+           "v6 contest window is unverified. Sampling settings the release configs leave unset come from each "
+           "checkpoint's generation_config.json, as on the release evals' servers; each results.json records "
+           "them with their sources.\n\n",
            "| model | " + " | ".join(s.title for s in specs) + " |\n",
            "|---|" + "---|" * len(specs) + "\n",
-           "| protocol (paper) | " + " | ".join(f"avg@{s.samples}" for s in specs) + " |\n"]
+           "| protocol (release evals) | " + " | ".join(f"avg@{s.samples}" for s in specs) + " |\n"]
     for model, scores in PAPER_SCORES.items():
         out.append(f"| {model} (paper) | " + " | ".join(f"{x:.1f}" for x in scores) + " |\n")
     for preset in presets:
@@ -270,7 +278,7 @@ def write_report(cfg) -> Path:
              f"## Tiny preset (`{cfg.preset}`): held-out accuracy per environment\n\n",
              f"Reproduce: `make all PRESET={cfg.preset}` (or `make eval` after the earlier stages). Accuracy is "
              f"avg@{cfg.eval.samples}: the mean reward over {cfg.eval.samples} samples a problem at temperature "
-             f"{cfg.eval.temperature}, on the held-out split (never in SFT, RL or pretraining data); the mean "
+             f"{_temperature(cfg)}, on the held-out split (never in SFT, RL or pretraining data); the mean "
              "over environments weighs each environment equally.\n\n",
              tiny_table(cfg, results)]
     if results:

@@ -118,7 +118,12 @@ def tool_turns(engine, tokenizer, chunk, k, prompts, completions, params, contex
 
 def evaluate(engine: Generator, tokenizer, rows: list[dict], eval_cfg, out_dir: Path, desc: str = "eval",
              context: int | None = None) -> dict:
-    """`context`: the model's max_position_embeddings (default: read from the engine's model, if it has one)."""
+    """`context`: the model's max_position_embeddings (default: read from the engine's model, if it has one).
+    eval_cfg's sampling settings are the resolved ones (recipe.eval.sampling): temperature, top_p and
+    max_new_tokens set; top_k None means none."""
+    missing = [k for k in ("temperature", "top_p", "max_new_tokens") if getattr(eval_cfg, k) is None]
+    if missing:
+        raise StageError(f"{desc}: sampling setting(s) {missing} unresolved (recipe.eval.sampling resolves them)")
     out_dir.mkdir(parents=True, exist_ok=True)
     samples_path = out_dir / "samples.jsonl"
     k = eval_cfg.samples
@@ -149,7 +154,7 @@ def evaluate(engine: Generator, tokenizer, rows: list[dict], eval_cfg, out_dir: 
         chunk = todo[start:start + per_chunk]
         prompts = [encode_prompt(tokenizer, r["prompt"]) for r in chunk for _ in range(k)]
         params = SamplingParams(max_new_tokens=eval_cfg.max_new_tokens, temperature=eval_cfg.temperature,
-                                top_p=eval_cfg.top_p,
+                                top_p=eval_cfg.top_p, top_k=-1 if eval_cfg.top_k is None else eval_cfg.top_k,
                                 # sample s of the chunk's problem j gets seed + (first + j) * k + s: one seed per
                                 # (problem, sample), whatever the batching
                                 seed=eval_cfg.seed + (len(rows) - len(todo) + start) * k)

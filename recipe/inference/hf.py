@@ -5,8 +5,10 @@ do not depend on which other rows share its batch, its position or the batch siz
 batched forward passes (on CPU a row's logits move by ~1e-7 with the batch's composition, which can flip a
 sampled token only when its uniform lies within that distance of a CDF boundary; logprobs move by as much).
 
-Logprobs are taken from the raw logits divided by the temperature over the full vocabulary (no top-k), the
-same distribution the RL trainer recomputes, so the importance ratio starts at 1 up to numerics.
+Logprobs are taken from the raw logits divided by the temperature over the full vocabulary (before top-k and
+top-p), the same distribution the RL trainer recomputes, so the importance ratio starts at 1 up to numerics.
+Top-k (eval only: SamplingParams.top_k from the eval config or generation_config.json) keeps each row's k most
+likely tokens, then top-p filters those, as vLLM orders them.
 """
 from __future__ import annotations
 
@@ -54,7 +56,7 @@ class HFEngine:
         """
         groups: dict[tuple, list[int]] = {}
         for i, p in enumerate(params):
-            groups.setdefault((p.max_new_tokens, p.temperature, p.top_p), []).append(i)
+            groups.setdefault((p.max_new_tokens, p.temperature, p.top_p, p.top_k), []).append(i)
         out: list[Completion | None] = [None] * len(prompts)
         for members in groups.values():
             order = sorted(members, key=lambda i: len(prompts[i]))
@@ -98,7 +100,7 @@ class HFEngine:
             if greedy:
                 tok = logp.argmax(-1)
             else:
-                tok = _inverse_cdf(_top_p(logp, params.top_p).exp(), uniforms[live, t])
+                tok = _inverse_cdf(_top_p(_top_k(logp, params.top_k), params.top_p).exp(), uniforms[live, t])
             steps.append((live, tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)))
             running = ~torch.isin(tok, stops)
             if t == params.max_new_tokens - 1 or not running.any():
@@ -121,6 +123,16 @@ class HFEngine:
         return [Completion(token_ids=ids[r], logprobs=lps[r],
                            finish_reason="stop" if ids[r] and ids[r][-1] in stop_set else "length",
                            policy_version=self.policy_version) for r in range(len(prompts))]
+
+
+def _top_k(logp: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The top_k most likely tokens of each row, renormalised (-1 or 0: all of them): vLLM applies top-k first and
+    top-p to what is left."""
+    if top_k <= 0 or top_k >= logp.shape[-1]:
+        return logp
+    kth = logp.topk(top_k, dim=-1).values[..., -1:]
+    kept = logp.masked_fill(logp < kth, float("-inf"))
+    return kept - kept.logsumexp(-1, keepdim=True)
 
 
 def _top_p(logp: torch.Tensor, top_p: float) -> torch.Tensor:

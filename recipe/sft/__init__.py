@@ -25,8 +25,8 @@ from transformers import PreTrainedModel, TrainerCallback
 from trl import SFTConfig, SFTTrainer
 from trl.data_utils import common_prefix_length
 
-from recipe.chat import ENV_REPLY, messages
-from recipe.errors import ConfigError, StageError
+from recipe.chat import ENV_REPLY, messages, template_tools
+from recipe.errors import ConfigError, DataError, StageError
 from recipe.rl.dist import World
 from recipe.runs import STOP, MetricsLog, safetensors_problem, torch_save_problem
 
@@ -283,7 +283,8 @@ def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_
     return out
 
 
-def tokenize_chat_row(tokenizer, prompt: list[dict], completion: list[dict]) -> dict[str, list[int]]:
+def tokenize_chat_row(tokenizer, prompt: list[dict], completion: list[dict],
+                      tools: list[dict] | None = None) -> dict[str, list[int]]:
     """input_ids and assistant_masks (1 = trained) of one prompt/completion conversation.
 
     Without a tool reply this is TRL's own processing of a conversational prompt/completion row: the chat
@@ -292,9 +293,16 @@ def tokenize_chat_row(tokenizer, prompt: list[dict], completion: list[dict]) -> 
     with the generation prompt (trl.data_utils.common_prefix_length). Each environment reply is cut out of the
     text and tokenized on its own, as next_reply does in RL, and so is the model turn after it: the ids are
     those RL and eval see, and the reply's tokens get mask 0.
+
+    tools: JSON schemas the template renders before the messages (a hub model's template in its own system
+    block, the tiny template as recipe.chat describes); part of the prompt, so out of the loss. Messages carry
+    their tool calls as `tool_calls` (recipe.chat.messages) and tool results as `tool` messages: the template
+    renders the calls in the assistant's turn (trained) and the results as environment replies (masked).
+    Without tools the template is called exactly as before, so such a row's ids do not change.
     """
-    prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+    kwargs = {"tools": tools} if tools else {}
+    prompt_text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True, **kwargs)
+    text = tokenizer.apply_chat_template(prompt + completion, tokenize=False, **kwargs)
     # replies are looked for in the completion only: the prompt is the user's text
     completion_start = len(os.path.commonprefix([prompt_text, text]))
     pieces, pos = [], 0  # (text, 1 if the model wrote it)
@@ -317,6 +325,13 @@ def chat_dataset(rows: list[dict], tokenizer):
 
     TRL builds the labels of a tokenized dataset from an `assistant_masks` column whatever SFTConfig says
     (SFTTrainer._prepare_dataset), then truncates and packs as for its own tokenization. A prompt/completion
-    row could only mask the prompt, not the tool reply in the middle of the completion."""
-    return Dataset.from_list([tokenize_chat_row(tokenizer, messages(r["prompt"]), messages(r["completion"]))
-                              for r in rows])
+    row could only mask the prompt, not the tool reply in the middle of the completion. A row's tool calls and,
+    for a demonstration row, its tools list go through the chat template (recipe.chat.messages, template_tools)."""
+    out = []
+    for r in rows:
+        try:
+            prompt, completion, tools = messages(r["prompt"]), messages(r["completion"]), template_tools(r)
+        except ValueError as e:  # json.JSONDecodeError included
+            raise DataError(f"SFT row {r.get('id')!r}: its tool calls or tools do not parse: {e}") from None
+        out.append(tokenize_chat_row(tokenizer, prompt, completion, tools))
+    return Dataset.from_list(out)

@@ -13,6 +13,8 @@ What the requests rely on in vLLM 0.32 (read in vllm-project/vllm):
   token's own logprob always comes; serving_completion only checks `request.logprobs is not None`) and
   `return_tokens_as_token_ids`, choices[0].logprobs.tokens are "token_id:N" strings and token_logprobs their
   logprobs; the stop token that ended a sequence is among them, as in HFEngine. `top_k: -1` means no top-k.
+  Every request carries its max_tokens, temperature, top_p and top_k, so a server's defaults (--generation-config)
+  reach only what a request leaves out (min_p, repetition_penalty).
 - POST /collective_rpc ({"method", "args", "kwargs", "timeout"} -> {"results": [one per worker]};
   vllm/entrypoints/serve/rpc/api_router.py) runs worker_ext.WeightLoaderExtension's RELOAD_METHOD on every
   worker.
@@ -59,7 +61,7 @@ def completion_body(prompt_ids, params: SamplingParams, stop_ids=(), seed: int |
         "max_tokens": int(params.max_new_tokens),
         "temperature": float(params.temperature),
         "top_p": float(params.top_p),
-        "top_k": -1,
+        "top_k": int(params.top_k),
         "seed": int(params.seed if seed is None else seed),
         "n": 1,
         "logprobs": LOGPROBS,
@@ -102,7 +104,8 @@ class VLLMEngine:
     def __init__(self, model_path, cfg, version: int = 0, *, log_path=None, launch: bool = True,
                  base_url: str | None = None, host: str = "127.0.0.1", port: int | None = None,
                  stop_ids: list[int] | None = None, startup_timeout: float = 1200.0,
-                 request_timeout: float = 3600.0, rpc_timeout: float = 1800.0, command: list[str] | None = None):
+                 request_timeout: float = 3600.0, rpc_timeout: float = 1800.0, command: list[str] | None = None,
+                 generation_config: str = "vllm"):
         self.model_path = str(model_path)
         rl = cfg.rl
         self.max_off_policy_steps = int(rl.max_off_policy_steps)
@@ -128,7 +131,8 @@ class VLLMEngine:
         atexit.register(self.close)
         try:
             if launch:
-                cmd = command or server_command(self.model_path, cfg, host=host, port=port)
+                cmd = command or server_command(self.model_path, cfg, host=host, port=port,
+                                                generation_config=generation_config)
                 self.server = ServerProcess(cmd, host, port, self.log_path)
                 wait_healthy(self.base_urls, startup_timeout, self.server)
             else:

@@ -7,9 +7,13 @@ What the command line relies on in vLLM 0.32 (read in vllm-project/vllm):
 - `--logprobs-mode processed_logprobs`: V1 otherwise returns logprobs of the raw logits (vllm/v1/sample/sampler.py
   takes them before temperature is applied). The trainer's importance ratio is taken against
   log_softmax(logits / T), the distribution that was sampled, so the mode is pinned.
-- `--generation-config vllm`: the model folder's generation_config.json must not change the sampling defaults.
-  The client sends the stop tokens with every request instead (read_stop_ids reads them from that file when the
-  folder has no tokenizer).
+- `--generation-config vllm` (RL): the model folder's generation_config.json must not change the sampling
+  defaults. The client sends the stop tokens with every request instead (read_stop_ids reads them from that file
+  when the folder has no tokenizer). `auto` (eval, generation_config="auto"): the release evals' servers left vLLM
+  at this default (prime-rl's inference config never sets it), so what a request leaves unset takes the model's
+  generation_config.json; the eval client sends its temperature, top_p, top_k and max_tokens, resolved from that
+  same file where the eval config says nothing (recipe.eval.sampling), so the rest (min_p, repetition_penalty)
+  is what the server's defaults still decide.
 - `--worker-extension-cls EXTENSION_CLS` adds worker_ext.WeightLoaderExtension to every worker's bases; its
   workers import it from this repository, hence REPO_ROOT on their PYTHONPATH (server_env).
 - VLLM_SERVER_DEV_MODE=1 mounts the development endpoints the client's weight updates use, POST /collective_rpc
@@ -59,9 +63,15 @@ _OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
 # -- the command line and environment ---------------------------------------------------------------------
+GENERATION_CONFIGS = ("vllm", "auto")  # vLLM's neutral sampling defaults; the model folder's generation_config.json
+
+
 def server_command(model_path, cfg, host: str = "127.0.0.1", port: int | None = None,
-                   python: str = sys.executable) -> list[str]:
-    """`vllm serve` with the flags the engine depends on pinned; cfg.rl.vllm_extra_args come last."""
+                   python: str = sys.executable, generation_config: str = "vllm") -> list[str]:
+    """`vllm serve` with the flags the engine depends on pinned; cfg.rl.vllm_extra_args come last.
+    generation_config: `vllm` for RL, `auto` for the eval's servers (the release protocol; see the docstring)."""
+    if generation_config not in GENERATION_CONFIGS:
+        raise ValueError(f"generation_config must be one of {GENERATION_CONFIGS}, got {generation_config!r}")
     rl = cfg.rl
     cmd = [
         python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_path),
@@ -74,7 +84,7 @@ def server_command(model_path, cfg, host: str = "127.0.0.1", port: int | None = 
         "--seed", str(rl.seed),
         "--max-logprobs", str(MAX_LOGPROBS),
         "--logprobs-mode", "processed_logprobs",
-        "--generation-config", "vllm",
+        "--generation-config", generation_config,
         "--worker-extension-cls", EXTENSION_CLS,
     ]
     return cmd + [str(a) for a in (rl.vllm_extra_args or [])]
