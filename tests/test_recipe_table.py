@@ -22,9 +22,11 @@ def test_the_intellect3_preset_holds_every_value_of_the_table():
 
 def test_a_value_that_drifts_from_the_table_is_caught():
     cfg = load_config(["preset=intellect3", "rl.lr=2e-6", "rl.env_mix={math:0.5,code:0.5}", "launcher.nodes=45",
-                       "launcher.inference_nodes=29"])
+                       "launcher.inference_nodes=29", "eval.benchmarks.1.samples=32"])
     differ = {r.key for r, _, ok in compare(cfg) if not ok}
-    assert differ == {"rl.lr", "rl.env_mix", "launcher.nodes", "launcher.inference_nodes"}
+    assert differ == {"rl.lr", "rl.env_mix", "launcher.nodes", "launcher.inference_nodes", "eval.benchmarks[1]"}
+    more = load_config(["preset=intellect3", "+rl.env_mix.science=0.1", "eval.benchmarks.0.max_problems=5"])
+    assert {r.key for r, _, ok in compare(more) if not ok} == {"rl.env_mix", "eval.benchmarks[0]"}
 
 
 def test_a_table_row_naming_a_key_the_config_lacks_is_caught(tmp_path):

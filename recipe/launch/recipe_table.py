@@ -46,6 +46,11 @@ def production_rows(doc: Path = DOC) -> list[Row]:
 
 
 def _same(expected, actual) -> bool:
+    """Equal values; a dict row names the fields it fixes, and the others must be unset (null): an
+    `eval.benchmarks[i]` entry lists its name and k, an `rl.env_mix` lists every environment."""
+    if isinstance(expected, dict) and isinstance(actual, dict):
+        return all(k in actual and _same(v, actual[k]) for k, v in expected.items()) and \
+            all(v is None for k, v in actual.items() if k not in expected)
     if isinstance(expected, (int, float)) and isinstance(actual, (int, float)) and not isinstance(actual, bool):
         return abs(expected - actual) <= 1e-12 * max(abs(expected), abs(actual), 1.0)
     return expected == actual
