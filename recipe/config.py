@@ -50,6 +50,14 @@ class JudgePrompt(StrEnum):
     direct = "direct"  # CompassVerifier's CV_PROMPT: the letter alone (cheaper; CompassVerifier's own default)
 
 
+class Staleness(StrEnum):
+    """How the orchestrator bounds the age of what it trains on (recipe/rl/orchestrator.py, docs/recipe.md)."""
+
+    drop_stale = "drop_stale"  # a finished group older than step - max_async_level is dropped
+    prime_rl = "prime_rl"  # prime-rl's: a group in flight across more than max_off_policy_steps + 1 updates is
+    # cancelled and replaced; finished groups are always used; no new group runs ahead of max_async_level
+
+
 class OptimizerKind(StrEnum):
     adamw = "adamw"
     muon = "muon"
@@ -262,6 +270,7 @@ class RLConfig:
     max_grad_norm: float = 1.0
     max_async_level: int = 1
     max_off_policy_steps: int = 8
+    staleness: Staleness = Staleness.drop_stale  # every preset sets prime_rl (configs/rl/*.yaml)
     mask_ratio_low: float = 0.5
     mask_ratio_high: float = 5.0
     sequence_mask_low: float = 1e-5

@@ -29,10 +29,18 @@ class ScriptedEngine:
         self.events = []
         self.batch = batch
         self.submitted = 0
+        self.sent = []  # every request submitted, in order
+        self.cancels = []  # the request ids of each cancel() call
 
     def submit(self, requests):
         self.pending.extend(requests)
+        self.sent.extend(requests)
         self.submitted += len(requests)
+
+    def cancel(self, request_ids):
+        self.cancels.append(list(request_ids))
+        drop = set(request_ids)
+        self.pending = [r for r in self.pending if r.id not in drop]
 
     def update_weights(self, path, version):
         self.policy_version = version
@@ -78,6 +86,11 @@ class TokenEngine:
 
     def update_weights(self, path, version):
         self.policy_version = version
+
+    def cancel(self, request_ids):
+        drop = set(request_ids)
+        with self.lock:
+            self.pending = [r for r in self.pending if r.id not in drop]
 
     def poll(self, timeout=None):
         import math

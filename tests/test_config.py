@@ -191,6 +191,7 @@ def test_intellect3_preset_carries_the_production_rl_values():
     assert (rl.batch_size, rl.rollouts_per_example) == (256, 16)
     assert rl.temperature == 1.05 and rl.optimizer == "muon" and rl.lr == 1e-6
     assert (rl.max_async_level, rl.max_off_policy_steps) == (1, 8)
+    assert rl.staleness == "prime_rl" and rl.online_filter is False  # scheduler.py and orch.toml of PR 1272
     assert (rl.mask_ratio_low, rl.mask_ratio_high, rl.sequence_mask_low) == (0.5, 5.0, 1e-5)
     assert dict(rl.env_mix) == {"math": 0.6, "code": 0.4}
     assert (rl.checkpoint_every, rl.keep_checkpoints) == (30, 5)

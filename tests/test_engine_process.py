@@ -157,6 +157,40 @@ def test_weights_are_swapped_between_batches_and_completions_carry_the_version_t
     assert done[46].policy_version == done[47].policy_version == 1
 
 
+def test_rows_cancelled_between_decode_steps_leave_the_batch_and_come_back_none(reference):
+    ps = prompts(reference, 3)
+    params = [SamplingParams(max_new_tokens=6, temperature=0.0, seed=i) for i in range(3)]
+    full = reference.generate_each(ps, params)
+    asked = []
+
+    def cancelled():  # prompt 1 is cancelled after the first decode step
+        asked.append(1)
+        return {1} if len(asked) >= 2 else set()
+
+    out = reference.generate_each(ps, params, cancelled=cancelled)
+    assert out[1] is None and len(asked) >= 2
+    for i in (0, 2):
+        assert out[i].token_ids == full[i].token_ids
+        assert out[i].logprobs == pytest.approx(full[i].logprobs, abs=1e-4)
+
+
+def test_requests_the_client_cancels_never_come_back_queued_or_running(engine, model_dir, reference):
+    engine.update_weights(model_dir / "v0.safetensors", 0)
+    p = prompts(reference, 1)[0]
+    long = SamplingParams(max_new_tokens=60, temperature=1.0, seed=3)
+    # a batch of two runs (50, 51); 52 and 53 wait; 50 and 52 are cancelled, whether running or queued by then
+    engine.submit([Request(50 + i, p, long, 0) for i in range(4)])
+    engine.cancel([50, 52])
+    events, done, cancelled = collect(engine, [51, 53])
+    deadline = time.monotonic() + 1.0
+    while time.monotonic() < deadline:  # and nothing else comes
+        event = engine.poll(timeout=0.1)
+        if event is not None:
+            events.append(event)
+    assert not cancelled and sorted(done) == [51, 53]
+    assert all(rid in (51, 53) for e in events for rid, _ in getattr(e, "results", []))
+
+
 PARENT = """
 import sys, time
 from recipe.inference.worker import HFEngineProcess

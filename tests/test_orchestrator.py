@@ -306,3 +306,111 @@ def test_the_code_environment_gets_rl_code_max_tests():
     orch = Orchestrator(code_rows(), CharTokenizer(), rl_cfg(env_mix={"code": 1.0}, code_max_tests=4),
                         ScriptedEngine(lambda p, r: ""), seed=0)
     assert orch.envs["code"].max_tests == 4
+
+
+# -- rl.staleness=prime_rl: prime-rl's rule (src/prime_rl/orchestrator/scheduler.py at PR 1272) ---------------
+def prime(**kw):
+    return rl_cfg(staleness="prime_rl", **kw)
+
+
+class HoldGroupZero(ScriptedEngine):
+    """Starts every request at once; answers all but those of group 0 (sampling seed gid * 1000 + sample, with
+    rl.seed=0), which stay running until cancelled."""
+
+    def __init__(self, answer_fn):
+        super().__init__(answer_fn)
+        self.running = {}  # request id -> request, started and not finished
+
+    def poll(self, timeout=None):
+        held = [r for r in self.pending if r.params.seed // 1000 == 0]
+        self.running.update((r.id, r) for r in held)
+        self.pending = [r for r in self.pending if r.params.seed // 1000 != 0]
+        return super().poll(timeout)
+
+    def cancel(self, request_ids):
+        super().cancel(request_ids)
+        for rid in request_ids:
+            self.running.pop(rid, None)
+
+
+def test_prime_rl_a_group_lives_through_nine_updates_and_is_cancelled_running_at_the_tenth():
+    eng = HoldGroupZero(answer_by_index(lambda i: {0}))
+    orch = Orchestrator(math_rows(), CharTokenizer(), prime(max_async_level=1, max_off_policy_steps=8), eng, seed=0)
+    orch.next_batch(0)
+    group0 = sorted(eng.running)
+    assert len(group0) == 4 and 0 in orch.inflight  # running on the engine, not finished
+    for v in range(1, 10):  # nine updates: it lives through each (its count is never above 8 at an update)
+        eng.update_weights(None, v)
+        _, stats = orch.next_batch(v)
+        assert stats["cancelled_groups"] == 0 and orch.inflight[0].off_policy_steps == v
+    assert stats["off_policy_level_max"] == 9 and sorted(eng.running) == group0
+    submitted = orch.counters["groups_submitted"]
+    eng.update_weights(None, 10)  # the tenth: its count (9) is above 8, so it is cancelled on the engine
+    _, stats = orch.next_batch(10)
+    assert eng.cancels == [group0] and not eng.running  # its running requests too
+    assert 0 not in orch.inflight and not any(gid == 0 for gid, _ in orch.requests.values())
+    assert stats["cancelled_groups"] == 1 and stats["rescheduled_groups"] == 1
+    assert orch.counters["groups_submitted"] >= submitted + 1  # a new group in its place
+    # a result of a cancelled request that was already on its way is ignored
+    from recipe.inference.engine import Done
+    from recipe.rollout import Completion
+    eng.events.append(Done([(group0[0], Completion([ord("x")], [-1.0], "stop", 0))], 0.0))
+    eng.update_weights(None, 11)
+    orch.next_batch(11)
+    assert orch.counters["results_of_cancelled_requests"] == 1 and orch.counters["groups_cancelled_off_policy"] == 1
+
+
+def test_prime_rl_a_finished_group_older_than_max_async_level_is_used_not_dropped():
+    eng = ScriptedEngine(answer_by_index(lambda i: {0}), batch=4)
+    orch = Orchestrator(math_rows(), CharTokenizer(), prime(max_async_level=1), eng, seed=0)
+    orch.start()
+    try:
+        orch.next_batch(0)  # leaves the next batch in flight
+        wait_until(lambda: orch.ready_groups == 2)  # written by version 0 while the trainer works
+        eng.update_weights(None, 2)
+        samples, stats = orch.next_batch(3)  # drop_stale would drop both (version 0 < 3 - 1)
+    finally:
+        orch.close()
+    assert stats["stale_groups"] == 0 and orch.counters["groups_stale"] == 0
+    assert all(s.policy_version == 0 for s in samples) and stats["staleness"] == {3: 8}
+
+
+def test_prime_rl_step_n_is_submitted_only_once_the_weights_of_step_n_minus_1_are_on_the_engine():
+    fn = answer_by_index(lambda i: {0})
+    eng = ScriptedEngine(fn)
+    orch = Orchestrator(math_rows(), CharTokenizer(), prime(max_async_level=1), eng, seed=0)
+    orch.next_batch(0)
+    orch.next_batch(1)  # policy 0 is enough for step 1
+    sent = len(eng.sent)
+    assert orch.in_flight_groups == 0  # nothing for step 2 yet: the engine still has policy 0
+    with pytest.raises(RuntimeError, match="step 2 waits for policy version 1"):
+        orch.next_batch(2)
+    assert len(eng.sent) == sent
+    eng.update_weights(None, 1)
+    samples, _ = orch.next_batch(2)
+    assert len(samples) == 8 and len(eng.sent) > sent
+    assert all(r.submitted_version == 1 for r in eng.sent[sent:])
+
+    # with the event loop in a thread: it holds the groups for step 2 until update_weights(1), then sends them
+    eng = ScriptedEngine(fn)
+    orch = Orchestrator(math_rows(), CharTokenizer(), prime(max_async_level=1), eng, seed=0)
+    orch.start()
+    try:
+        orch.next_batch(0)
+        orch.next_batch(1)
+        sent = len(eng.sent)
+        time.sleep(0.3)
+        assert len(eng.sent) == sent
+        eng.update_weights(None, 1)
+        wait_until(lambda: len(eng.sent) > sent)
+        assert orch.next_batch(2)[1]["staleness"] == {1: 8}
+    finally:
+        orch.close()
+    assert all(r.submitted_version == 1 for r in eng.sent[sent:])
+
+
+def test_prime_rl_keeps_batch_size_groups_in_flight_or_ready():
+    eng = ScriptedEngine(answer_by_index(lambda i: {0}), batch=4)
+    orch = Orchestrator(math_rows(), CharTokenizer(), prime(max_async_level=2, online_filter=False), eng, seed=0)
+    orch.next_batch(0)
+    assert orch.in_flight_groups + orch.ready_groups == 2  # batch_size, whatever max_async_level (s.py:48)

@@ -15,6 +15,7 @@ engine (its server batches as it likes), and runs on different hardware or threa
 """
 import json
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -45,10 +46,12 @@ def text_reward(self, text, row):  # a random model never answers right: reward 
     return RewardResult(float(sum(map(ord, text)) % 2))
 
 
-def test_two_level_0_runs_repeat_metrics_samples_and_weights_bit_for_bit(tmp_path, monkeypatch):
+@pytest.mark.parametrize("staleness", ["drop_stale", "prime_rl"])  # level 0 is synchronous under either rule
+def test_two_level_0_runs_repeat_metrics_samples_and_weights_bit_for_bit(tmp_path, monkeypatch, staleness):
     start = tmp_path / "start_model"
     save_tiny_qa_model(start)
     cfg = load_config([f"run_root={tmp_path / 'runs'}", f"rl.max_steps={STEPS}", f"rl.checkpoint_every={STEPS}",
+                       f"rl.staleness={staleness}",
                        "rl.batch_size=2", "rl.rollouts_per_example=2", "rl.max_new_tokens=16", "rl.max_async_level=0",
                        "rl.micro_batch_size=4", "rl.pin_cores=false", "rl.seed=0", "rl.lr=1e-2",
                        "rl.engine=hf", "rl.gen_batch_size=3",  # a round of 4 requests takes two engine batches

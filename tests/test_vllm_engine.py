@@ -401,6 +401,38 @@ def test_stale_requests_are_cancelled_not_sent(fake, tmp_path):
         eng.close()
 
 
+def test_cancel_closes_a_running_request_and_never_sends_a_queued_one(fake, tmp_path):
+    eng = connect(fake, tmp_path, gen_batch_size=1)  # one request in flight at a time
+    try:
+        fake.gate.clear()  # the server holds every completion until the gate opens
+        params = SamplingParams(max_new_tokens=8, seed=1)
+        eng.submit([Request(0, [1], params, 0), Request(1, [2], params, 0), Request(2, [3], params, 0)])
+        wait_for(lambda: len(fake.bodies) == 1)  # request 0 runs on the server; 1 and 2 wait on the client
+        eng.cancel([0, 1])
+        # 0's connection was closed while the server still held it, 1 was skipped, so 2 went out
+        wait_for(lambda: len(fake.bodies) == 2)
+        fake.gate.set()
+        done, cancelled, _ = collect(eng, 1)
+        assert sorted(done) == [2] and cancelled == []
+        assert [b["prompt"] for b in fake.bodies] == [[1], [3]]
+        assert eng.poll(timeout=0.3) is None  # nothing ever comes for 0 or 1
+        assert not eng._live and not eng._cancelled and not eng._conns
+    finally:
+        eng.close()
+
+
+def test_under_prime_rl_the_client_cancels_nothing_by_itself(fake, tmp_path):
+    eng = connect(fake, tmp_path, gen_batch_size=1, max_off_policy_steps=0, staleness="prime_rl")
+    try:
+        params = SamplingParams(max_new_tokens=8, seed=1)
+        eng.policy_version = 5  # every request is 5 versions old: the orchestrator, not the client, decides
+        eng.submit([Request(0, [1], params, 0), Request(1, [2], params, 0)])
+        done, cancelled, _ = collect(eng, 2)
+        assert sorted(done) == [0, 1] and cancelled == []
+    finally:
+        eng.close()
+
+
 def test_generate_keeps_order_and_gives_each_prompt_its_own_seed(fake, tmp_path):
     eng = connect(fake, tmp_path, gen_batch_size=8)
     try:

@@ -5,7 +5,11 @@ An asynchronous engine (RL) takes Requests, hands back events, and swaps weights
     submit([Request])              queue requests; each carries the policy version current when it was made
     poll(timeout) -> Event | None  the next event: Done (finished completions) or Cancelled (requests that
                                    waited past max_off_policy_steps policy versions; the orchestrator
-                                   reschedules them); None after timeout. An engine that died raises.
+                                   reschedules them; an engine given max_off_policy_steps=None cancels
+                                   nothing by itself); None after timeout. An engine that died raises.
+    cancel([request id])           drop these requests, queued or running (a running one is stopped where
+                                   the engine can: between decode steps, or by closing its connection); no
+                                   event is promised for them, and a Done already on its way may still come
     update_weights(path, version)  load the state dict published at `path` (a safetensors file, or a folder of
                                    shards with its index: recipe.weights) as policy `version`; completions
                                    finished from then on carry it
@@ -58,6 +62,8 @@ class Engine(Protocol):
     def submit(self, requests: list[Request]) -> None: ...
 
     def poll(self, timeout: float | None = None) -> Event | None: ...
+
+    def cancel(self, request_ids: list[int]) -> None: ...
 
     def update_weights(self, path: str | Path, version: int) -> None: ...
 

@@ -48,11 +48,14 @@ class HFEngine:
         return self.generate_each(prompts, [replace(params, seed=params.seed + i) for i in range(len(prompts))])
 
     @torch.no_grad()
-    def generate_each(self, prompts: list[list[int]], params: list[SamplingParams]) -> list[Completion]:
+    def generate_each(self, prompts: list[list[int]], params: list[SamplingParams],
+                      cancelled=None) -> list[Completion | None]:
         """One completion per prompt, each with its own SamplingParams (the engine process's requests).
 
         Prompts whose settings other than the seed agree are batched together, those of similar length in one
         batch; each row samples from its own generator, seeded with its own seed.
+        `cancelled`: called between decode steps, returns the indexes of prompts to stop (a set); those rows
+        leave the batch at once and get None.
         """
         groups: dict[tuple, list[int]] = {}
         for i, p in enumerate(params):
@@ -62,16 +65,20 @@ class HFEngine:
             order = sorted(members, key=lambda i: len(prompts[i]))
             for start in range(0, len(order), self.batch_size):
                 idx = order[start:start + self.batch_size]
-                done = self._generate_batch([prompts[i] for i in idx], params[idx[0]], [params[i].seed for i in idx])
+                stop_rows = None if cancelled is None else _rows_of(idx, cancelled)
+                done = self._generate_batch([prompts[i] for i in idx], params[idx[0]], [params[i].seed for i in idx],
+                                            stop_rows)
                 for i, c in zip(idx, done):
                     out[i] = c
         return out
 
-    def _generate_batch(self, prompts, params: SamplingParams, seeds: list[int]) -> list[Completion]:
+    def _generate_batch(self, prompts, params: SamplingParams, seeds: list[int],
+                        stop_rows=None) -> list[Completion | None]:
         """A KV-cached decode loop that drops finished rows at every step.
 
         transformers' generate() keeps every row until the longest is done, so one rambling sample makes the
-        whole batch pay for max_new_tokens; here a step costs only the rows still running.
+        whole batch pay for max_new_tokens; here a step costs only the rows still running. `stop_rows()`, asked
+        at every step, names rows cancelled meanwhile: they are dropped like finished ones and come back None.
         """
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
@@ -95,6 +102,7 @@ class HFEngine:
         live = torch.arange(len(prompts), device=device)  # original row of each row still running
         next_pos = positions[:, -1] + 1
         steps = []  # (rows, tokens, logprobs) of every decode step
+        dropped: set[int] = set()  # rows cancelled while they ran
         for t in range(params.max_new_tokens):
             logp = torch.log_softmax(logits / (1.0 if greedy else params.temperature), dim=-1)
             if greedy:
@@ -103,6 +111,10 @@ class HFEngine:
                 tok = _inverse_cdf(_top_p(_top_k(logp, params.top_k), params.top_p).exp(), uniforms[live, t])
             steps.append((live, tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)))
             running = ~torch.isin(tok, stops)
+            gone = stop_rows() if stop_rows is not None else None
+            if gone:
+                dropped |= gone
+                running &= torch.tensor([r not in dropped for r in live.tolist()], device=device)
             if t == params.max_new_tokens - 1 or not running.any():
                 break
             if not running.all():
@@ -120,7 +132,8 @@ class HFEngine:
                 ids[r].append(tk)
                 lps[r].append(l)
         stop_set = set(self.stop_ids)
-        return [Completion(token_ids=ids[r], logprobs=lps[r],
+        return [None if r in dropped else
+                Completion(token_ids=ids[r], logprobs=lps[r],
                            finish_reason="stop" if ids[r] and ids[r][-1] in stop_set else "length",
                            policy_version=self.policy_version) for r in range(len(prompts))]
 
@@ -133,6 +146,14 @@ def _top_k(logp: torch.Tensor, top_k: int) -> torch.Tensor:
     kth = logp.topk(top_k, dim=-1).values[..., -1:]
     kept = logp.masked_fill(logp < kth, float("-inf"))
     return kept - kept.logsumexp(-1, keepdim=True)
+
+
+def _rows_of(idx: list[int], cancelled):
+    """stop_rows for the batch of prompts idx: the rows of those that cancelled() names (asked once a step)."""
+    def stop_rows() -> set[int]:
+        gone = cancelled()
+        return {row for row, i in enumerate(idx) if i in gone} if gone else set()
+    return stop_rows
 
 
 def _top_p(logp: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -1,12 +1,15 @@
 """The hf engine in a process of its own, with its own CPU threads, so that generation overlaps training.
 
 The client (HFEngineProcess) speaks the Engine contract of recipe.inference.engine. Inside, two queues:
-commands in ("generate", [Request]), ("update", weights_path, version), ("stop",); out the contract's Done and
-Cancelled events, plus ("ready", version), ("updated", version) and ("error", traceback) for the client alone.
+commands in ("generate", [Request]), ("update", weights_path, version), ("cancel", [request id]), ("stop",); out
+the contract's Done and Cancelled events, plus ("ready", version), ("updated", version) and ("error", traceback)
+for the client alone.
 
 Requests run first in, first out, in batches. Weights are swapped between batches, while later requests wait:
 each completion carries the policy version that wrote it. A request that waited past max_off_policy_steps
-versions is cancelled and handed back to be rescheduled.
+versions is cancelled and handed back to be rescheduled (max_off_policy_steps=None: never; rl.staleness=prime_rl,
+where the orchestrator decides). A request the client cancels leaves the queue, or, when it is running, its row
+leaves the batch at the next decode step (commands are read between decode steps); nothing comes back for it.
 """
 from __future__ import annotations
 
@@ -50,11 +53,28 @@ def _worker(model_path, threads, batch_size, max_off_policy_steps, version, cpu,
         return
     res_q.put(("ready", version))
     pending: deque[Request] = deque()
+    inbox: deque = deque()  # commands read while a batch ran, handled after it, in order
+    cancelled: set[int] = set()  # ids cancelled while the batch runs
+
+    def read_cancels() -> set[int]:
+        """Between decode steps: take the commands waiting; cancels act now, the rest wait in the inbox."""
+        while True:
+            try:
+                msg = req_q.get_nowait()
+            except queue.Empty:
+                return cancelled
+            if msg[0] == "cancel":  # rows of the running batch stop now; queued requests leave after it
+                cancelled.update(msg[1])
+            inbox.append(msg)
+
     while True:
-        try:
-            msg = req_q.get(timeout=0 if pending else 1.0)
-        except queue.Empty:
-            msg = None
+        if inbox:
+            msg = inbox.popleft()
+        else:
+            try:
+                msg = req_q.get(timeout=0 if pending else 1.0)
+            except queue.Empty:
+                msg = None
         if msg is None and os.getppid() != parent:
             return
         while msg is not None:
@@ -66,11 +86,18 @@ def _worker(model_path, threads, batch_size, max_off_policy_steps, version, cpu,
                 engine.update_weights(msg[1], msg[2])
                 release_free_memory()  # the weights file just read: RSS stays flat over a long run
                 res_q.put(("updated", msg[2]))
+            elif msg[0] == "cancel":
+                drop = set(msg[1])
+                pending = deque(r for r in pending if r.id not in drop)
+            if inbox:
+                msg = inbox.popleft()
+                continue
             try:
                 msg = req_q.get_nowait()
             except queue.Empty:
                 msg = None
-        stale = {r.id for r in pending if engine.policy_version - r.submitted_version > max_off_policy_steps}
+        stale = set() if max_off_policy_steps is None else \
+            {r.id for r in pending if engine.policy_version - r.submitted_version > max_off_policy_steps}
         if stale:
             pending = deque(r for r in pending if r.id not in stale)
             res_q.put(Cancelled(sorted(stale)))
@@ -78,18 +105,22 @@ def _worker(model_path, threads, batch_size, max_off_policy_steps, version, cpu,
             continue
         batch = [pending.popleft() for _ in range(min(batch_size, len(pending)))]
         t0 = time.perf_counter()
+        index = {r.id: i for i, r in enumerate(batch)}
         try:
-            outs = engine.generate_each([r.prompt_ids for r in batch], [r.params for r in batch])
+            outs = engine.generate_each([r.prompt_ids for r in batch], [r.params for r in batch],
+                                        cancelled=lambda: {index[i] for i in read_cancels() if i in index})
         except Exception:
             res_q.put(("error", traceback.format_exc()))
             return
-        res_q.put(Done([(r.id, c) for r, c in zip(batch, outs)], time.perf_counter() - t0))
+        done = [(r.id, c) for r, c in zip(batch, outs) if c is not None and r.id not in cancelled]
+        cancelled.clear()
+        res_q.put(Done(done, time.perf_counter() - t0))  # (also when all were cancelled: the busy time counts)
 
 
 class HFEngineProcess:
     """Client side of the engine process (the Engine contract)."""
 
-    def __init__(self, model_path: str, threads: int = 1, batch_size: int = 64, max_off_policy_steps: int = 8,
+    def __init__(self, model_path: str, threads: int = 1, batch_size: int = 64, max_off_policy_steps: int | None = 8,
                  version: int = 0, cpu: int | None = None, start_timeout: float = 300.0):
         ctx = mp.get_context("spawn")
         self.req_q, self.res_q = ctx.Queue(), ctx.Queue()
@@ -104,6 +135,9 @@ class HFEngineProcess:
 
     def submit(self, requests: list[Request]) -> None:
         self.req_q.put(("generate", requests))
+
+    def cancel(self, request_ids: list[int]) -> None:
+        self.req_q.put(("cancel", list(request_ids)))
 
     def update_weights(self, path, version: int) -> None:
         self.req_q.put(("update", str(path), version))

@@ -41,7 +41,8 @@ def make_engine(cfg, model_path, version: int, log_dir):
     if rl.engine == EngineKind.hf:
         cpu = 1 if rl.pin_cores and (os.cpu_count() or 1) > 1 else None
         return HFEngineProcess(str(model_path), threads=rl.gen_threads, batch_size=rl.gen_batch_size,
-                               max_off_policy_steps=rl.max_off_policy_steps, version=version, cpu=cpu)
+                               max_off_policy_steps=None if rl.staleness == "prime_rl" else rl.max_off_policy_steps,
+                               version=version, cpu=cpu)
     return VLLMEngine(str(model_path), cfg, version=version, log_path=log_dir / "vllm_server.log")
 
 

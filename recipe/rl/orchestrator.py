@@ -3,9 +3,26 @@
 - Continuous batching: a group (rollouts_per_example samples of one prompt) is submitted as soon as there is
   room, and each finished group makes room for the next.
 - max_async_level=0 is run to be reproducible bit for bit (see "Level 0" below).
-- Every completion carries the policy version that wrote it. The batch for trainer step s only takes groups
-  written by version >= s - max_async_level; older ones are dropped and counted as stale.
-  max_async_level=0 is the synchronous baseline: nothing is submitted ahead of the weights it must use.
+- Every completion carries the policy version that wrote it. How old a group may be is rl.staleness:
+  - drop_stale: the batch for trainer step s only takes groups written by version >= s - max_async_level; older
+    finished ones are dropped and counted as stale (groups_stale). The engine itself cancels a request that
+    waited past max_off_policy_steps versions before it ran (a Cancelled event; the same samples are resent).
+  - prime_rl, as prime-rl's orchestrator does at PR 1272 (src/prime_rl/orchestrator/scheduler.py, below "s.py"):
+    - no group is submitted for step s before the weights of step s - max_async_level are on the engine
+      (s.py:127-140, strict_async_level = true, orchestrator/config.py:541-546: the orchestrator waits for
+      checkpoint step - max_async_level before it goes on);
+    - every group in flight counts the weight updates it lives through; at an update, a group whose count is
+      already > max_off_policy_steps is cancelled on the engine, running requests included, and a new group is
+      submitted in its place; the others count one more (s.py:152-172). So a group lives through
+      max_off_policy_steps + 1 updates and is cancelled at the next one. (prime-rl cancels the group's asyncio
+      task, s.py:158: its HTTP requests are dropped and vLLM aborts them; here Engine.cancel does it.)
+    - a finished group is never dropped for its age: each goes into the next batch (s.py:187-204);
+    - batch_size groups are kept in flight or ready (s.py:48 problems_per_batch, oversampling_factor 1.0 in
+      production; s.py:182-183), and each one taken into a batch is replaced at once (s.py:197-204). prime-rl
+      lets all their requests run at once (max_concurrent = 4096 = 256 x 16, configs/int3/prod/orch.toml:5, a
+      semaphore: orchestrator.py:164-166); here the engine's client caps them (rl.gen_batch_size).
+  max_async_level=0 is the synchronous baseline under either rule: nothing is submitted ahead of the weights it
+  must use (prime-rl's level 0 still keeps its groups in flight across the update; here it does not).
 - Filters: the offline pass-rate filter is `make data`'s (data.max_pass_rate): the rows come filtered. Online
   (rl.online_filter), groups whose rewards are all equal (all 0 or all 1) carry no signal and are dropped. Without
   the online filter (prime-rl's production run) such a group stays in the batch: advantage 0, its tokens in the
@@ -62,6 +79,7 @@ class Group:
     masked: list = field(default_factory=list)  # per sample: the verifier could not judge it (e.g. sandbox down)
     texts: list = field(default_factory=list)
     transcripts: dict = field(default_factory=dict)  # sample index -> Transcript (multi-turn envs only)
+    off_policy_steps: int = 0  # staleness prime_rl: weight updates it lived through while in flight
 
     @property
     def version(self) -> int:
@@ -87,6 +105,9 @@ class Orchestrator:
         None and no rl.seq_len: prompts are not checked and requests are not capped."""
         self.cfg = rl_cfg
         self.engine = engine
+        self.prime_rl = rl_cfg.staleness == "prime_rl"  # (a StrEnum of recipe.config: equal to its string)
+        self._seen_version = engine.policy_version  # prime_rl: the updates counted so far end here
+        self._step = 0  # prime_rl: the trainer step the next groups are for (the async gate)
         self.tokenizer = tokenizer
         self.too_long = 0
         bounds = [c for c in (context, rl_cfg.seq_len) if c is not None]
@@ -208,22 +229,73 @@ class Orchestrator:
         self.counters["groups_submitted"] += 1
 
     def _top_up(self, need: int) -> None:
-        """Keep `need` groups for the current batch plus max_async_level batches ahead in flight or ready.
+        """Keep `need` groups for the current batch plus max_async_level batches ahead in flight or ready
+        (prime_rl: batch_size groups, as prime-rl does).
 
         With max_async_level=0 nothing runs ahead: the next batch is submitted only after the weights it must
         be sampled with have been sent to the engine.
         """
+        self._watch_updates()
+        if self._gate_closed():
+            return
         # groups in flight come back filtered at about the recent rate: submit until the expected number of
         # usable groups (ready ones count in full) covers the want, so the engine is not left idle waiting for
         # replacements, and no more, since a surplus grows stale in the ready queue. Level 0 submits exactly
         # what is missing: a surplus would make the batch depend on which groups finish first.
         keep = 1.0 - min(self.filter_rate, 0.75) if self.cfg.max_async_level > 0 else 1.0
         want = need + self.cfg.batch_size * self.cfg.max_async_level
+        if self.prime_rl and self.cfg.max_async_level > 0:
+            # s.py:48,182-183 and 204: problems_per_batch (= batch_size groups) in flight or finished and not yet
+            # taken; one taken into a batch is replaced at once
+            want = self.cfg.batch_size
         while len(self.ready) + keep * len(self.inflight) < want:
             self._submit_new_group()
 
+    def _gate_closed(self) -> bool:
+        """prime_rl's async gate: nothing new is submitted for step s before policy s - max_async_level is on
+        the engine (s.py:127-140: with strict_async_level it waits for checkpoint step - max_async_level)."""
+        return self.prime_rl and self.engine.policy_version < self._step - self.cfg.max_async_level
+
+    def _watch_updates(self) -> None:
+        """prime_rl: count the weight updates every group in flight lives through, and at an update cancel and
+        replace those that already lived through more than max_off_policy_steps (s.py:152-172). An update is a
+        new engine.policy_version; the RL loop sends versions one apart (a jump of k counts k updates)."""
+        version = self.engine.policy_version
+        updates, self._seen_version = version - self._seen_version, version
+        if not self.prime_rl or updates <= 0:
+            return
+        cancelled = 0
+        for _ in range(updates):
+            for g in list(self.inflight.values()):
+                if g.off_policy_steps > self.cfg.max_off_policy_steps:  # s.py:157
+                    self._cancel(g)
+                    cancelled += 1
+                else:
+                    g.off_policy_steps += 1  # s.py:161,169-170
+        for _ in range(cancelled):  # s.py:164-166: a new group (a new prompt) in each one's place, at once
+            self._submit_new_group()
+            self.counters["groups_rescheduled"] += 1
+        if cancelled:
+            print(f"rl: cancelled and rescheduled {cancelled} group(s) in flight across more than "
+                  f"{self.cfg.max_off_policy_steps + 1} weight updates", file=sys.stderr)
+
+    def _cancel(self, group: Group) -> None:
+        """Drop a group in flight: its requests not yet sent never go, those sent are cancelled on the engine
+        (running ones included); whatever of them still comes back is ignored."""
+        rids = {rid for rid, (gid, _) in self.requests.items() if gid == group.gid}
+        for rid in rids:
+            del self.requests[rid]
+        unsent = {r.id for r in self.outbox if r.id in rids}
+        self.outbox = [r for r in self.outbox if r.id not in unsent]
+        if rids - unsent:
+            self.engine.cancel(sorted(rids - unsent))
+        del self.inflight[group.gid]
+        self.counters["groups_cancelled_off_policy"] += 1
+        self.counters["requests_cancelled_off_policy"] += len(rids)
+
     def _handle(self, event: Event) -> None:
         t0 = time.perf_counter()
+        self._watch_updates()  # an update seen first: a group it cancels does not finish on this event
         self._on_event(event)  # scoring and tool turns: in the background loop, time spent beside the trainer
         # replacements for the groups this event filtered go out with its tool turns, in one submit (level 0)
         self._top_up(self._need)
@@ -234,6 +306,9 @@ class Orchestrator:
         if isinstance(event, Done):
             self.gen_busy_s += event.busy_s
             for rid, completion in event.results:
+                if rid not in self.requests:  # its group was cancelled (prime_rl) before this came back
+                    self.counters["results_of_cancelled_requests"] += 1
+                    continue
                 gid, s = self.requests.pop(rid)
                 group = self.inflight[gid]
                 env = self.envs[group.row["env"]]
@@ -258,6 +333,8 @@ class Orchestrator:
         elif isinstance(event, Cancelled):  # too stale on the engine: reschedule the same samples
             by_group: dict[int, list[int]] = {}
             for rid in event.request_ids:
+                if rid not in self.requests:  # its group was cancelled already (prime_rl)
+                    continue
                 gid, s = self.requests.pop(rid)
                 by_group.setdefault(gid, []).append(s)
             for gid, samples in by_group.items():
@@ -349,6 +426,11 @@ class Orchestrator:
         if self._thread is None:
             self._top_up(self._need)
             self._flush()
+            if self._gate_closed() and not self.requests and not self.outbox:  # nothing can come
+                raise RuntimeError(f"rl: the batch for step {self._step} waits for policy version "
+                                   f"{self._step - self.cfg.max_async_level} (max_async_level "
+                                   f"{self.cfg.max_async_level}) but the engine has {self.engine.policy_version}: "
+                                   f"send the weights first")
             event = self.engine.poll(timeout=600)
             if event is None:
                 raise RuntimeError("rl: the engine produced nothing for 600 s")
@@ -370,10 +452,11 @@ class Orchestrator:
         min_version = step - self.cfg.max_async_level
         batch: list[Group] = []
         with self._cv:
+            self._step = step
             while len(batch) < self.cfg.batch_size:
                 while self.ready and len(batch) < self.cfg.batch_size:
                     g = self.ready.popleft()
-                    if g.version < min_version:
+                    if g.version < min_version and not self.prime_rl:  # prime_rl: s.py:187-204 takes it
                         self.counters["groups_stale"] += 1
                     else:
                         batch.append(g)
@@ -382,6 +465,7 @@ class Orchestrator:
                 self._need = self.cfg.batch_size - len(batch)
                 self._wait_for_ready()
             self._need = 0
+            self._step = step + 1  # what is submitted from now on is for the next batches
             if self._thread is None:  # (the background loop tops up by itself)
                 self._top_up(0)  # the next batches' groups generate while the trainer works on this one
                 self._flush()
@@ -419,6 +503,14 @@ class Orchestrator:
             "groups_without_signal": delta["groups_without_signal"],  # filtered or (no online filter) kept
             "stale_groups": delta["groups_stale"],
             "cancelled_requests": delta["requests_cancelled"],
+            # prime_rl: groups cancelled in flight for living through too many weight updates, and the new groups
+            # submitted in their place; the most and mean updates lived through by the groups now in flight
+            # (prime-rl's batch/off_policy_level/max and /mean, s.py:212-229)
+            "cancelled_groups": delta["groups_cancelled_off_policy"],
+            "rescheduled_groups": delta["groups_rescheduled"],
+            "off_policy_level_max": max((g.off_policy_steps for g in self.inflight.values()), default=0),
+            "off_policy_level_mean": (sum(g.off_policy_steps for g in self.inflight.values()) /
+                                      max(1, len(self.inflight))),
             "reward_errors": delta["reward_errors"],
             "judge_calls": delta["judge_calls"],  # rule-negative answers sent to the LLM judge (rl.judge)
             "judge_flips": delta["judge_flips"],  # ... that it found right

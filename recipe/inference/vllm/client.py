@@ -1,7 +1,8 @@
 """VLLMEngine: the Engine contract (recipe.inference.engine) over HTTP to one vLLM server or several.
 
-    submit([Request]) ; poll(timeout) -> Done | Cancelled | None ; update_weights(path, version) ;
-    policy_version ; close() ; and generate(prompts, params) -> [Completion] for the eval runner.
+    submit([Request]) ; poll(timeout) -> Done | Cancelled | None ; cancel([request id]) ;
+    update_weights(path, version) ; policy_version ; close() ; and generate(prompts, params) -> [Completion]
+    for the eval runner.
 
 It starts its own server (server.ServerProcess) or, with launch=False, speaks to servers already running (the
 SLURM launcher's, one per inference node): requests go round-robin, weight updates go to every one. Requests
@@ -25,6 +26,10 @@ What the requests rely on in vLLM 0.32 (read in vllm-project/vllm):
   longest prompt plus max_tokens the server takes (it answers HTTP 400 to a longer request). `context` reads it,
   so that callers leave out what cannot fit instead of failing on it.
 
+cancel() drops a request not sent yet, and closes the connection of one on a server: vLLM's route handlers are
+wrapped in with_cancellation (vllm/entrypoints/utils.py), which aborts the request when its client goes. With
+rl.staleness=prime_rl the client cancels nothing by itself: the orchestrator decides (recipe/rl/orchestrator.py).
+
 The admin calls (the weight reload, the prefix-cache reset) are retried with backoff when the server is
 unreachable or answers 5xx (server.retry: RETRY_TRIES calls, RETRY_BASE_DELAY_S doubling); reloading the same
 file twice is harmless. An HTTP 4xx is raised at once. Completion requests are sent once: a repeat could sample
@@ -35,6 +40,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import queue
+import socket
 import threading
 import time
 from collections import deque
@@ -44,7 +50,8 @@ from pathlib import Path
 from recipe.chat import stop_token_ids
 from recipe.inference.engine import Cancelled, Done, Event, Request
 from recipe.inference.vllm.server import (SERVED_MODEL_NAME, ServerProcess, TimedOut, Unavailable, read_context,
-                                          read_stop_ids, request, retry, server_command, wait_healthy)
+                                          read_stop_ids, request, request_abortable, retry, server_command,
+                                          wait_healthy)
 from recipe.inference.vllm.worker_ext import RELOAD_METHOD
 from recipe.rollout import Completion, SamplingParams
 
@@ -108,7 +115,9 @@ class VLLMEngine:
                  generation_config: str = "vllm"):
         self.model_path = str(model_path)
         rl = cfg.rl
-        self.max_off_policy_steps = int(rl.max_off_policy_steps)
+        # rl.staleness=prime_rl: the orchestrator cancels what is too old (Engine.cancel); the client never does
+        self.max_off_policy_steps = None if getattr(rl, "staleness", "drop_stale") == "prime_rl" else \
+            int(rl.max_off_policy_steps)
         self.policy_version = int(version)
         self._tokenizer = None
         self._context: int | None = None
@@ -125,6 +134,9 @@ class VLLMEngine:
         self._pool = _DaemonPool(rl.gen_batch_size)
         self._lock = threading.Lock()
         self._inflight, self._busy_mark, self._busy_total, self._busy_reported = 0, 0.0, 0.0, 0.0
+        self._live: set[int] = set()  # request ids submitted and not yet answered
+        self._cancelled: set[int] = set()  # of those, the ones cancel() named
+        self._conns: dict = {}  # request id -> its open http.client connection (to abort it)
         self._closed = False
         self.server: ServerProcess | None = None
         self.log_path = Path(log_path) if log_path else Path(cfg.run_root) / cfg.preset / "vllm_server.log"
@@ -161,12 +173,16 @@ class VLLMEngine:
             self.server.check_alive()
 
     # -- HTTP ---------------------------------------------------------------------------------------------
-    def _complete(self, prompt_ids, params: SamplingParams, seed: int) -> Completion:
-        """One completion request, sent once (never retried)."""
+    def _complete(self, prompt_ids, params: SamplingParams, seed: int, rid: int | None = None) -> Completion:
+        """One completion request, sent once (never retried). With a request id (RL), cancel() can abort it."""
         url = self.base_urls[next(self._next_server) % len(self.base_urls)]
+        body = completion_body(prompt_ids, params, self.stop_ids, seed)
         try:
-            response = request(url, "/v1/completions", completion_body(prompt_ids, params, self.stop_ids, seed),
-                               timeout=self.request_timeout)
+            if rid is None:
+                response = request(url, "/v1/completions", body, timeout=self.request_timeout)
+            else:
+                response = request_abortable(url, "/v1/completions", body, timeout=self.request_timeout,
+                                             on_connect=lambda conn: self._opened(rid, conn))
         except (Unavailable, TimedOut):
             self._check_alive()  # a server that died says so, with its log
             raise
@@ -224,8 +240,37 @@ class VLLMEngine:
 
     # -- asynchronous client (RL) -------------------------------------------------------------------------
     def submit(self, requests: list[Request]) -> None:
+        with self._lock:
+            self._live.update(r.id for r in requests)
         for r in requests:
             self._pool.submit(self._run_request, r)
+
+    def cancel(self, request_ids: list[int]) -> None:
+        """Requests not sent yet are never sent; those on a server have their connection closed, and vLLM
+        aborts a request whose client went. Nothing comes back for either."""
+        with self._lock:
+            for rid in request_ids:
+                if rid in self._live:
+                    self._cancelled.add(rid)
+                    conn = self._conns.get(rid)
+                    if conn is not None:
+                        _abort(conn)
+
+    def _opened(self, rid: int, conn) -> None:
+        with self._lock:
+            self._conns[rid] = conn
+            if rid in self._cancelled:  # cancelled while it connected
+                _abort(conn)
+
+    def _finished(self, rid: int) -> bool:
+        """Forget a request that is over; whether it had been cancelled."""
+        with self._lock:
+            self._live.discard(rid)
+            self._conns.pop(rid, None)
+            if rid in self._cancelled:
+                self._cancelled.discard(rid)
+                return True
+            return False
 
     def _busy_step(self, delta_inflight: int) -> float:
         """Track wall time with at least one request in flight; returns the part not yet reported."""
@@ -242,21 +287,28 @@ class VLLMEngine:
     def _run_request(self, r: Request) -> None:
         if self._closed:
             return
+        with self._lock:
+            if r.id in self._cancelled:  # cancelled before it was sent
+                self._cancelled.discard(r.id)
+                self._live.discard(r.id)
+                return
         # sent only now (at most gen_batch_size requests are in flight): a request that waited past
         # max_off_policy_steps policy versions goes back to the orchestrator to be rescheduled
-        if self.policy_version - r.submitted_version > self.max_off_policy_steps:
+        if self.max_off_policy_steps is not None and \
+                self.policy_version - r.submitted_version > self.max_off_policy_steps:
+            self._finished(r.id)
             self._events.put(Cancelled([r.id]))
             return
         busy = self._busy_step(+1)
         try:
-            completion = self._complete(r.prompt_ids, r.params, r.params.seed)
+            completion = self._complete(r.prompt_ids, r.params, r.params.seed, rid=r.id)
         except Exception as e:
             self._busy_step(-1)
-            if not self._closed:
+            if not self._finished(r.id) and not self._closed:  # (a cancelled request fails as its socket closes)
                 self._events.put(RuntimeError(f"vllm engine failed: request {r.id}: {e}"))
             return
         busy += self._busy_step(-1)
-        self._events.put(Done([(r.id, completion)], busy))
+        self._events.put(Done([] if self._finished(r.id) else [(r.id, completion)], busy))
 
     def poll(self, timeout: float | None = None) -> Event | None:
         """The next event, or None after timeout. Events waiting together are merged into at most one Done and
@@ -288,6 +340,7 @@ class VLLMEngine:
             else:
                 cancelled.extend(ev.request_ids)
         out = ([Done(results, busy)] if results else []) + ([Cancelled(cancelled)] if cancelled else [])
+        out = out or [Done([], busy)]  # only requests cancelled by the caller came back: their busy time
         self._stash.extend(out[1:])
         return out[0]
 
@@ -307,6 +360,15 @@ class VLLMEngine:
             # KV blocks computed with the old weights must not be reused, including those of running requests
             self._admin(url, "/reset_prefix_cache?reset_running_requests=true")
         self.policy_version = int(version)
+
+
+def _abort(conn) -> None:
+    """End a connection another thread is blocked on: shut its socket down (close() alone would not wake it)."""
+    try:
+        if conn.sock is not None:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 class _DaemonPool:

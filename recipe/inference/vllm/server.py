@@ -42,6 +42,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -316,6 +317,37 @@ def request(url: str, path: str, body: dict | None = None, *, timeout: float, me
         if isinstance(reason, TimeoutError):
             raise TimedOut(f"{what} timed out after {timeout:g} s") from None
         raise Unavailable(f"{what} failed: {str(reason) or type(reason).__name__}") from None
+    try:
+        return json.loads(raw) if raw.strip() else None
+    except ValueError:
+        raise RuntimeError(f"{what}: the answer is not JSON: {raw[:200]!r}") from None
+
+
+def request_abortable(url: str, path: str, body: dict, *, timeout: float, on_connect):
+    """request() for one POST that another thread may abort: on_connect(conn) gets the http.client connection
+    once it is open, before anything is sent; conn.sock.shutdown(socket.SHUT_RDWR) from another thread then ends
+    the call (it raises Unavailable), and the server sees the client go (vLLM aborts the request then: its
+    route handlers are wrapped in with_cancellation, vllm/entrypoints/utils.py). Errors as request()'s."""
+    what = f"vllm: POST {path} to {url}"
+    parts = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+    try:
+        try:
+            conn.connect()
+            on_connect(conn)
+            conn.request("POST", parts.path.rstrip("/") + path, body=json.dumps(body).encode(),
+                         headers={"Content-Type": "application/json"})
+            answer = conn.getresponse()
+            status, raw = answer.status, answer.read()
+        except (OSError, http.client.HTTPException) as e:
+            if isinstance(e, TimeoutError):
+                raise TimedOut(f"{what} timed out after {timeout:g} s") from None
+            raise Unavailable(f"{what} failed: {str(e) or type(e).__name__}") from None
+    finally:
+        conn.close()
+    if status >= 400:
+        cls = Unavailable if status >= 500 else RuntimeError
+        raise cls(f"{what} failed with HTTP {status}: {_error_detail(raw)}")
     try:
         return json.loads(raw) if raw.strip() else None
     except ValueError:
