@@ -194,6 +194,16 @@ def test_intellect3_preset_carries_the_production_rl_values():
     assert (rl.mask_ratio_low, rl.mask_ratio_high, rl.sequence_mask_low) == (0.5, 5.0, 1e-5)
     assert dict(rl.env_mix) == {"math": 0.6, "code": 0.4}
     assert (rl.checkpoint_every, rl.keep_checkpoints) == (30, 5)
+    # orch.toml's [eval]: AIME 2025, 16 samples a problem, every 30 steps
+    assert (rl.eval_every, rl.eval_set, rl.eval_samples, rl.eval_max_problems) == (30, "aime25", 16, None)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_evaluates_during_rl_a_set_that_exists(preset):
+    from recipe.eval.benchmarks import REGISTRY
+
+    rl = load_config([f"preset={preset}"]).rl
+    assert rl.eval_every > 0 and rl.eval_set in {"held_out", *REGISTRY}
 
 
 def test_overrides_apply():
