@@ -314,6 +314,13 @@ class RLConfig:
     vllm_extra_args: List[str] = field(default_factory=list)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
     seed: int = 0
+    # eval during RL (recipe/rl/eval_during.py): every eval_every steps (and at step 0 and the last step) rank 0
+    # samples eval_samples completions a problem of eval_set through the RL's own engine, at the RL's sampling
+    # settings, and appends avg@k and pass@k to <rl stage>/eval_during_rl.jsonl. 0 = off
+    eval_every: int = 0
+    eval_set: str = "held_out"  # held_out (eval.parquet of `make data`) or a benchmark of recipe/eval/benchmarks.py
+    eval_samples: int = 4  # k
+    eval_max_problems: Optional[int] = None  # the first this many (held_out: spread over the tasks); null = all
 
 
 @dataclass
@@ -518,6 +525,9 @@ RANGES: dict[str, Range] = {
     "rl.vllm_gpu_memory_utilization": SHARE_OPEN,
     "rl.vllm_tensor_parallel_size": AT_LEAST_1,
     "rl.seed": AT_LEAST_0,
+    "rl.eval_every": AT_LEAST_0,  # 0: off
+    "rl.eval_samples": AT_LEAST_1,
+    "rl.eval_max_problems": AT_LEAST_1,
     # eval (0 temperature = greedy)
     "eval.samples": AT_LEAST_1,
     "eval.pass_k": AT_LEAST_1,  # each k; at most eval.samples (validate)

@@ -199,6 +199,8 @@ def test_intellect3_preset_carries_the_production_rl_values():
     assert (rl.seq_len, rl.mask_sandbox_failures, rl.code_max_tests) == (51200, False, 15)
     tiny = load_config([]).rl
     assert (tiny.seq_len, tiny.mask_sandbox_failures) == (None, True)
+    # orch.toml's [eval]: AIME 2025, 16 samples a problem, every 30 steps
+    assert (rl.eval_every, rl.eval_set, rl.eval_samples, rl.eval_max_problems) == (30, "aime25", 16, None)
 
 
 def test_the_pass_rate_filter_has_one_key_per_environment_in_the_data_config():
@@ -218,6 +220,14 @@ def test_the_pass_rate_filter_has_one_key_per_environment_in_the_data_config():
         load_config(["preset=intellect3", "data.max_pass_rate.math=1.5"])
     with pytest.raises(ConfigError, match="tiny rows carry no pass rate to filter on"):  # their difficulty: a level
         load_config(["data.max_pass_rate={math:0.9}"])
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_evaluates_during_rl_a_set_that_exists(preset):
+    from recipe.eval.benchmarks import REGISTRY
+
+    rl = load_config([f"preset={preset}"]).rl
+    assert rl.eval_every > 0 and rl.eval_set in {"held_out", *REGISTRY}
 
 
 def test_overrides_apply():

@@ -23,7 +23,8 @@ LAYERS = [
     ["recipe.eval.benchmarks"],
     ["recipe.eval.report"],
     # stages: the entry points and what only they use
-    ["recipe.data.__main__", "recipe.base", "recipe.sft.__main__", "recipe.rl.loop", "recipe.rl.__main__",
+    ["recipe.data.__main__", "recipe.base", "recipe.sft.__main__", "recipe.rl.loop", "recipe.rl.eval_during",
+     "recipe.rl.__main__",
      "recipe.rl.bench", "recipe.rl.soak", "recipe.eval.__main__", "recipe.sandbox.bench", "recipe.launch",
      "recipe.gpu_check"],
 ]

@@ -269,6 +269,77 @@ def write_curves(cfg, png: Path, rl: list[dict]) -> bool:
     return True
 
 
+EVAL_DURING_RL = "eval_during_rl.jsonl"  # written by the RL stage (recipe/rl/eval_during.py) when rl.eval_every > 0
+
+
+def eval_during_rl_section(cfg, root: Path, rl: list[dict]) -> str:
+    """The RL stage's evals of its own policy (rl.eval_every): how they were run, a table of step against avg@k,
+    and a figure of avg@k beside the training reward."""
+    records = _read_metrics(stage_dir(cfg, "rl") / EVAL_DURING_RL)
+    if not records:
+        return ("_No eval during RL yet: run `make rl` with rl.eval_every > 0 (it writes "
+                f"{stage_dir(cfg, 'rl').name}/{EVAL_DURING_RL})._\n")
+    last = records[-1]
+    k = last["k"]
+    envs = sorted({e for r in records for e in r.get("by_env", {})})
+    manifest = stage_dir(cfg, "rl") / "manifest.json"
+    prov = read_json(manifest) if manifest.exists() else None
+    where = (f" RL stage: commit {_commit(prov)}, config `{prov['config_hash']}`, {prov['wall_s']:.0f} s wall, "
+             f"{prov['hardware']['cpus']} CPUs." if prov else " The RL stage has not finished: no manifest yet.")
+    spent = sum(r["seconds"] for r in records)
+    share = f" ({100 * spent / prov['wall_s']:.1f}% of the stage's wall time)" if prov and prov["wall_s"] else ""
+    out = [f"Reproduce: `make rl PRESET={cfg.preset}` (rl.eval_every, rl.eval_set, rl.eval_samples, "
+           f"rl.eval_max_problems). At step 0, every rl.eval_every steps and at the last step, the RL stage samples "
+           f"{k} completions a problem of `{last['set']}` ({last['problems']} problems, the same ones every time) "
+           f"from the policy of that step, through the RL's own engine, at the RL's temperature "
+           f"{last['temperature']} and max_new_tokens {last['max_new_tokens']}, with the same seed every time; "
+           f"each problem is scored by its environment. avg@{k} = the mean reward over the {k} samples (mean over "
+           f"environments), pass@{k} unbiased. Written by the RL stage to "
+           f"`{stage_dir(cfg, 'rl').name}/{EVAL_DURING_RL}`. The {len(records)} evals took {spent:.0f} s"
+           f"{share}.{where}\n\n",
+           f"| step | avg@{k} | pass@{k} | " + "".join(f"{e} avg@{k} | " for e in envs) + "problems | s |\n",
+           "|---|---|---|" + "---|" * len(envs) + "---|---|\n"]
+    for r in records:
+        cells = [_num(r.get(f"avg@{k}")), _num(r.get(f"pass@{k}"))] + [_num(r.get("by_env", {}).get(e)) for e in envs]
+        masked = f" ({r['masked_problems']} masked)" if r.get("masked_problems") else ""
+        out.append(f"| {r['step']} | " + " | ".join(cells) + f" | {r['problems']}{masked} | {r['seconds']:.1f} |\n")
+    png = root / "results" / f"{cfg.preset}_eval_during_rl.png"
+    write_eval_curve(records, rl, png)
+    out.append(f"\n![eval during RL]({png.relative_to(root)})\n")
+    return "".join(out)
+
+
+def _num(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def write_eval_curve(records: list[dict], rl: list[dict], png: Path) -> None:
+    """avg@k and pass@k of the evals during RL against step, each environment's avg@k, and the training reward
+    (the rollouts of each step) for comparison."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = records[-1]["k"]
+    steps = [r["step"] for r in records]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.4))
+    ax[0].plot(steps, [r.get(f"avg@{k}") for r in records], marker="o", label=f"avg@{k}")
+    ax[0].plot(steps, [r.get(f"pass@{k}") for r in records], marker="s", label=f"pass@{k}")
+    if rl:
+        ax[0].plot([r["step"] for r in rl], [r["reward"] for r in rl], alpha=0.35, label="training reward")
+    ax[0].set(title=f"{records[-1]['set']} during RL", xlabel="step", ylim=(0, 1))
+    ax[0].legend()
+    for env in sorted({e for r in records for e in r.get("by_env", {})}):
+        ax[1].plot(steps, [r.get("by_env", {}).get(env, float("nan")) for r in records], marker="o", label=env)
+    ax[1].set(title=f"avg@{k} by environment", xlabel="step", ylim=(0, 1))
+    ax[1].legend()
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=80, metadata={"Software": None})  # no version stamp: same runs, same bytes
+    plt.close(fig)
+
+
 def write_report(cfg) -> Path:
     # the repository's RESULTS.md belongs to the default runs/; other run roots get their own page
     root = Path(".") if cfg.run_root == "runs" else Path(cfg.run_root)
@@ -292,6 +363,7 @@ def write_report(cfg) -> Path:
     png = root / "results" / f"{cfg.preset}_curves.png"
     if write_curves(cfg, png, rl):
         parts.append(f"\n![learning curves]({png.relative_to(root)})\n")
+    parts += ["\n### Eval during RL\n\n", eval_during_rl_section(cfg, root, rl)]
     parts += ["\n## Paper benchmarks\n\n", paper_section(cfg)]
     parts += ["\n## Performance: asynchronous against synchronous RL\n\n", bench_section(cfg)]
     parts += ["\n## Performance: code sandbox throughput\n\n", sandbox_section(cfg)]

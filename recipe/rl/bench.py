@@ -27,7 +27,9 @@ LEVELS = (0, 1, 2)
 
 
 def bench_level(cfg, level: int, out_dir, eval_rows):
-    run_cfg = OmegaConf.merge(cfg, {"rl": {"max_async_level": level, "max_steps": cfg.rl.bench_steps}})
+    # no eval during RL: the levels are compared on their steps alone, and the final policy is evaluated below
+    run_cfg = OmegaConf.merge(cfg, {"rl": {"max_async_level": level, "max_steps": cfg.rl.bench_steps,
+                                           "eval_every": 0}})
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
     t0 = time.perf_counter()

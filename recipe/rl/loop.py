@@ -8,6 +8,9 @@ own on CPU; vLLM server on GPUs). `make rl` (recipe.rl.__main__) and `make bench
 With several ranks (recipe.rl.dist) rank 0 alone runs the orchestrator, talks to the engine and writes metrics;
 every step it splits the batch into token-balanced shares, one a rank, and all ranks step the FSDP2-sharded
 model together (docs/architecture.md, "Ranks").
+
+With rl.eval_every, rank 0 also evaluates the policy every so many steps through the same engine
+(recipe.rl.eval_during), after the step's weights are published and its checkpoint written.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from recipe.data.schema import read_split
 from recipe.inference.vllm import VLLMEngine
 from recipe.inference.worker import HFEngineProcess
 from recipe.launch.roles import INFERENCE_URLS_ENV
+from recipe.rl import eval_during
 from recipe.rl.dist import World, load_sharded, split_by_tokens
 from recipe.rl.orchestrator import Orchestrator
 from recipe.rl.trainer import (build_optimizer, build_scheduler, full_state_dict, latest_checkpoint,
@@ -84,8 +88,12 @@ def _rl_loop(cfg, stage_dir, start_model, world: World):
         if world.main:
             print(f"rl: resuming from {last} (step {step})")
     metrics = MetricsLog(stage_dir / "metrics.jsonl", resume_step=step if last else None) if world.main else None
+    if world.main and last is None:
+        eval_during.clear(stage_dir)  # a fresh run: no eval records of an earlier run in this folder
+    # eval during RL (rl.eval_every): its problems are in hand before the engine starts (a hub failure costs seconds)
+    evals = eval_during.start(cfg, stage_dir, step if last else None) if world.main else None
     engine = make_engine(cfg, start_model, version=0, log_dir=stage_dir) if world.main else None
-    orch = None
+    orch, context = None, None
 
     def publish(version: int) -> None:  # every rank gives its shards; rank 0 writes and tells the engine
         path = publish_weights(model, weights_dir, version, world=world, dtype=compute)
@@ -103,8 +111,11 @@ def _rl_loop(cfg, stage_dir, start_model, world: World):
             rows = read_split(require_done(cfg, "data"), "rl")
             context = model.config.max_position_embeddings
             served = getattr(engine, "context", None)  # vLLM servers may take less (--max-model-len)
+            context = context if served is None else min(context, served)
+            if evals is not None:  # the orchestrator and the eval share the engine, each seeing its own requests
+                engine = eval_during.SharedEngine(engine)
             orch = Orchestrator(rows, tokenizer, rl, engine, seed=rl.seed,  # rl.seq_len bounds the context too
-                                context=context if served is None else min(context, served))
+                                context=context)
             if orch_state:
                 orch.load_state_dict(orch_state)
             orch.start()
@@ -113,7 +124,17 @@ def _rl_loop(cfg, stage_dir, start_model, world: World):
         bar = tqdm(total=rl.max_steps, initial=step, desc="rl", unit="step", disable=not world.main)
         t_start = time.perf_counter()
         saved = step
+
+        def evaluate_policy() -> dict:
+            """Rank 0: the eval due at this step (the engine holds this step's weights), for the step's record."""
+            if evals is None or not evals.due(step) or STOP.requested:
+                return {}
+            done = evals.run(engine, tokenizer, step, context)
+            k = rl.eval_samples
+            return {} if done is None or done[f"avg@{k}"] is None else {"eval_avg": done[f"avg@{k}"]}
+
         with STOP.cooperative():  # SIGTERM/SIGINT: finish the step, checkpoint it, stop (every rank agrees)
+            evaluate_policy()  # step 0 (the start model), or a resumed step whose eval did not finish
             while step < rl.max_steps:
                 t0 = time.perf_counter()
                 samples, gen_stats = orch.next_batch(step) if world.main else (None, None)
@@ -129,11 +150,15 @@ def _rl_loop(cfg, stage_dir, start_model, world: World):
                     checkpoint()
                     saved = step
                 if world.main:
+                    t3 = time.perf_counter()
+                    evaluated = evaluate_policy()  # after the checkpoint: a stop during it loses no step
+                    if evaluated:
+                        evaluated["eval_s"] = time.perf_counter() - t3
                     lens = [len(s.completion_ids) for s in samples]
-                    record = {"step": step, **gen_stats, **train_stats,
+                    record = {"step": step, **gen_stats, **train_stats, **evaluated,
                               "completion_len_mean": sum(lens) / len(lens), "completion_len_max": max(lens),
-                              "gen_wait_s": t1 - t0, "train_s": t2 - t1, "step_s": time.perf_counter() - t0,
-                              "samples_per_s": len(samples) / (time.perf_counter() - t0),
+                              "gen_wait_s": t1 - t0, "train_s": t2 - t1, "step_s": t3 - t0,  # (the eval apart)
+                              "samples_per_s": len(samples) / (t3 - t0),
                               "elapsed_s": time.perf_counter() - t_start}
                     metrics.log(record)  # after the checkpoint, so a resumed run never logs a step twice
                     bar.set_postfix(reward=f"{gen_stats['reward']:.3f}",
