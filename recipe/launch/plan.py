@@ -48,7 +48,8 @@ def placement(cfg) -> dict:
     gpus = max(la.gpus_per_node, 0)
     trainer_ranks = la.trainer_nodes * ranks_per_node(cfg) if la.kind == "slurm" else la.num_processes
     return {
-        "kind": la.kind, "nodes": la.nodes, "gpus_per_node": gpus, "trainer_nodes": la.trainer_nodes, "inference_nodes": la.inference_nodes,
+        "kind": la.kind, "nodes": la.nodes, "gpus_per_node": gpus, "trainer_nodes": la.trainer_nodes,
+        "inference_nodes": la.inference_nodes,
         "policy_nodes": la.inference_nodes, "judge_nodes": la.judge_nodes, "trainer_ranks": trainer_ranks,
         "trainer_gpus": la.trainer_nodes * gpus, "total_gpus": (la.nodes + la.judge_nodes) * gpus,
     }
@@ -238,13 +239,15 @@ def describe(cfg, plan: dict, mem: dict | None, tput: dict) -> list[str]:
         judge = (f"judge: a 1-node job of its own, {j.hub_id} (vLLM, DP {j.data_parallel}, TP {j.tensor_parallel})"
                  if la.judge_nodes and j.hub_id else "judge: none")
         lines += [
-            f"nodes: {plan['nodes']} in the RL job" + (f" + {plan['judge_nodes']} in the judge's job" if j.hub_id else "")
+            f"nodes: {plan['nodes']} in the RL job"
+            + (f" + {plan['judge_nodes']} in the judge's job" if j.hub_id else "")
             + f", {device} each"
             + (f", {plan['total_gpus']} GPUs in all" if la.gpus_per_node else ""),
             f"trainer: {plural(plan['trainer_nodes'], 'node')}, {plural(plan['trainer_ranks'], 'rank')} under torchrun "
             f"(FSDP2{hsdp}); "
             f"rank 0 also runs the orchestrator",
-            f"inference: {plural(plan['policy_nodes'], 'policy server')}, one a node ({policy_server(cfg, 'model')[2]}), data "
+            f"inference: {plural(plan['policy_nodes'], 'policy server')}, one a node "
+            f"({policy_server(cfg, 'model')[2]}), data "
             f"parallel across nodes, port {rl.vllm_port}",
             judge,
         ]

@@ -1,8 +1,8 @@
 """The per-role commands, shared by every scale: the trainer ranks (torchrun), one command a role.
 
 On this machine `make rl` / `make sft` with launcher.num_processes=N > 1 runs the stage under
-`torchrun --standalone` (relaunch); the SLURM script (recipe.launch, rl.sbatch.j2) starts the same module under torchrun on
-each trainer node with the node's rank and the first trainer node as the rendezvous. docs/architecture.md
+`torchrun --standalone` (relaunch); the SLURM script (recipe.launch, rl.sbatch.j2) starts the same module under
+torchrun on each trainer node with the node's rank and the first trainer node as the rendezvous. docs/architecture.md
 ("Ranks") has the roles.
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@
     - batch_size groups are kept in flight or ready (s.py:48 problems_per_batch, oversampling_factor 1.0 in
       production; s.py:182-183), and each one taken into a batch is replaced at once (s.py:197-204). prime-rl
       lets all their requests run at once (max_concurrent = 4096 = 256 x 16, configs/int3/prod/orch.toml:5, a
-      semaphore: orchestrator.py:164-166); here the engine's client caps them (rl.gen_batch_size).
+      semaphore: orchestrator.py:164-166); here the engine's client caps them at rl.gen_batch_size, 4096 in intellect3.
   max_async_level=0 is the synchronous baseline under either rule: nothing is submitted ahead of the weights it
   must use (prime-rl's level 0 still keeps its groups in flight across the update; here it does not).
 - Filters: the offline pass-rate filter is `make data`'s (data.max_pass_rate): the rows come filtered. Online
