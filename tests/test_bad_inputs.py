@@ -285,7 +285,8 @@ def nothing_done_nothing_half_written(runs: Path) -> None:
 
 
 def sigterm_at_first_metrics(mp) -> None:
-    """SIGTERM to this process once the stage has logged its first metrics record (as `kill` would send it)."""
+    """SIGTERM to this process once the stage has logged its first metrics record (as `kill` would send it); the
+    records of the eval during RL (eval_during_rl.jsonl, the start model's at step 0) do not count."""
     import signal
 
     from recipe.runs import MetricsLog
@@ -294,7 +295,7 @@ def sigterm_at_first_metrics(mp) -> None:
 
     def log_then_term(self, record):
         log(self, record)
-        if not getattr(self, "signalled", False):
+        if self.path.name == "metrics.jsonl" and not getattr(self, "signalled", False):
             self.signalled = True
             os.kill(os.getpid(), signal.SIGTERM)
 
