@@ -7,7 +7,7 @@
 # and recipe.inference.hf imports recipe.rollout, whose recipe.envs package imports the math verifier
 # (math-verify, latex2sympy2_extended). Everything else the check imports (torch, transformers, tokenizers,
 # safetensors, PyYAML, sympy, pyarrow, psutil, numpy, jinja2, tqdm, regex) is already on the device image
-# (/work/.library/device/KINDS.md). The versions are requirements.lock's (tests/test_gpu_check.py checks that).
+# (its published package list). The versions are requirements.lock's (tests/test_gpu_check.py checks that).
 #
 # antlr4-python3-runtime 4.9.3 is published as a source archive only, so it is built here into a
 # py3-none-any wheel (pure Python: the same wheel serves the device's Python 3.12). Nothing here pulls torch:

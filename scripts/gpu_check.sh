@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (recipe/gpu_check.py: SFT steps, then RL steps with the hf engine generating on the GPU, the
 # recipe's train_step with Muon + AdamW, and the weights reloaded into the engine; tokens/s, MFU, peak memory),
-# in one command for the device machine (/work/.library/device/README.md). Not yet run on a GPU.
+# in one command for a GPU machine with no network (torch and transformers preinstalled). Not yet run on a GPU.
 #
 # From a session whose task is lent a machine, in the repo's root (the checkout the session started in: the
 # device call sends that one, so this script must be on its branch):
