@@ -19,3 +19,16 @@ def cfg_factory(tmp_path):
         return load_config([f"run_root={tmp_path / 'runs'}", *overrides])
 
     return make
+
+
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test: a tiny model runs fastest so, two threads spin against each other on a
+    busy 2-core machine. Modules that want it everywhere use it with pytest.mark.usefixtures."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+

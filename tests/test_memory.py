@@ -25,13 +25,7 @@ class Tok:
         return 0
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """A model this small runs fastest on one thread; two spin against each other on a busy machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(*overrides):

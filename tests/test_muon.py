@@ -12,12 +12,7 @@ from recipe.rl.muon import Muon, orthogonalise
 from recipe.rl.trainer import build_optimizer, optimizer_split
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_glm45_air_has_every_weight_with_two_dims_or_more_under_muon_but_embeddings_and_head():

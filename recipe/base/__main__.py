@@ -16,9 +16,8 @@ from datasets import Dataset
 
 from recipe.data.schema import read_split, read_text_split
 from recipe.errors import DataError
-from recipe.launch.roles import launched, relaunch
 from recipe.model import build_tiny_model, build_tokenizer, tokenizer_from_str
-from recipe.rl.dist import World, close_world, init_world
+from recipe.rl.dist import World, run_stage_on_ranks
 from recipe.runs import Stage, stage_main
 from recipe.sft import per_device_batch, train_supervised
 
@@ -33,38 +32,20 @@ def train(cfg, stage_dir: Path, pretrain: list[str], tokenizer, world: World) ->
                             use_cpu=True, world=world, key="base")
 
 
-def lead(cfg, world: World) -> None:
-    """Rank 0 (or the one process): the stage's life; the other ranks get the stage folder and the tokenizer."""
-    told = False
-
-    def body(stage: Stage, upstream: dict) -> dict:
-        nonlocal told
-        data_dir = upstream["data"]
-        pretrain = read_text_split(data_dir, "pretrain")
-        if not pretrain:
-            raise DataError(f"{data_dir / 'pretrain.parquet'} has no rows: `make base` pretrains the tiny model on "
-                            f"them (data.pretrain_rows_per_task >= 1)")
-        sft_rows = read_split(data_dir, "sft")
-        # the tokenizer sees the chat-formatted SFT text too, so the format's strings get their own merges
-        chat_texts = [r["prompt"][0]["content"] + r["completion"][0]["content"] for r in sft_rows]
-        tokenizer = build_tokenizer(pretrain + chat_texts, cfg.model.tiny.vocab_size)
-        world.broadcast((str(stage.dir), str(data_dir), tokenizer.backend_tokenizer.to_str()))
-        told = True
-        out = train(stage.cfg, stage.dir, pretrain, tokenizer, world)
-        return {"inputs": {"pretrain": data_dir / "pretrain.parquet"}, "outputs": {"model": out}}
-
-    try:
-        Stage(cfg, "base").run(body, requires=REQUIRES)
-    finally:
-        if not told:  # skipped (already done) or refused: nothing for the other ranks to do
-            world.broadcast(None)
-
-
-def follow(cfg, world: World) -> None:
-    job = world.broadcast(None)
-    if job is not None:
-        stage_dir, data_dir, tokenizer = job
-        train(cfg, Path(stage_dir), read_text_split(Path(data_dir), "pretrain"), tokenizer_from_str(tokenizer), world)
+def lead(stage: Stage, upstream: dict, tell, world: World) -> dict:
+    """Rank 0 (or the one process): the stage's body; the other ranks get the stage folder and the tokenizer."""
+    data_dir = upstream["data"]
+    pretrain = read_text_split(data_dir, "pretrain")
+    if not pretrain:
+        raise DataError(f"{data_dir / 'pretrain.parquet'} has no rows: `make base` pretrains the tiny model on "
+                        f"them (data.pretrain_rows_per_task >= 1)")
+    sft_rows = read_split(data_dir, "sft")
+    # the tokenizer sees the chat-formatted SFT text too, so the format's strings get their own merges
+    chat_texts = [r["prompt"][0]["content"] + r["completion"][0]["content"] for r in sft_rows]
+    tokenizer = build_tokenizer(pretrain + chat_texts, stage.cfg.model.tiny.vocab_size)
+    tell((str(stage.dir), str(data_dir), tokenizer.backend_tokenizer.to_str()))
+    out = train(stage.cfg, stage.dir, pretrain, tokenizer, world)
+    return {"inputs": {"pretrain": data_dir / "pretrain.parquet"}, "outputs": {"model": out}}
 
 
 def run(cfg, argv: list[str]) -> None:
@@ -72,13 +53,13 @@ def run(cfg, argv: list[str]) -> None:
         print(f"base: the base model is {cfg.model.hub_id}@{cfg.model.revision}; nothing to pretrain")
         return
     per_device_batch(cfg.base, "base", cfg.launcher.num_processes)  # refused before any rank starts
-    if cfg.launcher.num_processes > 1 and not launched():
-        return relaunch(cfg, "base", REQUIRES, "recipe.base", argv, cfg.base.threads)
-    world = init_world(cfg.launcher.collective_timeout_s, cpu=True)
-    try:
-        (lead if world.main else follow)(cfg, world)
-    finally:
-        close_world(world)
+
+    def follow(job, world: World) -> None:
+        stage_dir, data_dir, tokenizer = job
+        train(cfg, Path(stage_dir), read_text_split(Path(data_dir), "pretrain"), tokenizer_from_str(tokenizer),
+              world)
+
+    run_stage_on_ranks(cfg, argv, "base", REQUIRES, cfg.base.threads, lead, follow, cpu=True)
 
 
 def main(argv=None):

@@ -48,7 +48,8 @@ import urllib.request
 from dataclasses import dataclass, replace
 
 from recipe.envs.answers import last_boxed, unwrap_tex
-from recipe.envs.base import RewardResult
+from recipe.chat import parse_final_answer
+from recipe.envs.base import Environment, RewardResult
 from recipe.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -292,3 +293,24 @@ def judge_from_config(judge_cfg, environ=None) -> Judge | None:
         raise ConfigError(f"the judge's address must be http(s)://host:port, got {url!r}")
     return Judge(url, style=str(judge_cfg.prompt), max_tokens=judge_cfg.max_tokens, timeout_s=judge_cfg.timeout_s,
                  tries=judge_cfg.tries, cooldown_s=judge_cfg.cooldown_s)
+
+
+class JudgedEnvironment(Environment):
+    """An environment whose rule-based verdicts a judge may re-check (math, science): with a judge, a sample the
+    rubric scores wrong goes to it (Judge.recheck), for the rows `judgeable` accepts."""
+
+    uses_judge = True
+
+    def __init__(self, judge: Judge | None = None):
+        self.judge = judge
+        self.score_in_parallel = judge is not None  # a judge call waits on the network: several at a time
+
+    def judgeable(self, row: dict) -> bool:
+        return True
+
+    def score(self, completion: str, row: dict) -> RewardResult:
+        result = super().score(completion, row)
+        if self.judge is None or not self.judgeable(row):
+            return result
+        return self.judge.recheck(result, parse_final_answer(completion), question_of(self.prompt(row)),
+                                  row["answer"])

@@ -6,9 +6,7 @@ import threading
 
 from math_verify import parse, verify
 
-from recipe.chat import parse_final_answer
-from recipe.envs.base import Environment, RewardResult
-from recipe.envs.judge import Judge, question_of
+from recipe.envs.judge import JudgedEnvironment
 
 # The instruction INTELLECT-3's math environment puts before each question.
 INSTRUCTION = "Solve the following math problem. Explain your reasoning and put the final answer in \\boxed{}."
@@ -28,18 +26,6 @@ def math_correct(answer: str, row: dict) -> float:
     return float(verify(gold, pred, timeout_seconds=t))
 
 
-class MathEnv(Environment):
+class MathEnv(JudgedEnvironment):
     name = "math"
     rubric = [("correct", math_correct, 1.0)]
-    uses_judge = True
-
-    def __init__(self, judge: Judge | None = None):
-        self.judge = judge
-        self.score_in_parallel = judge is not None  # a judge call waits on the network: several at a time
-
-    def score(self, completion: str, row: dict) -> RewardResult:
-        result = super().score(completion, row)
-        if self.judge is None:
-            return result
-        return self.judge.recheck(result, parse_final_answer(completion), question_of(self.prompt(row)),
-                                  row["answer"])

@@ -16,10 +16,8 @@ from __future__ import annotations
 import json
 import re
 
-from recipe.chat import parse_final_answer
 from recipe.envs.answers import last_boxed, unwrap_tex
-from recipe.envs.base import Environment, RewardResult
-from recipe.envs.judge import Judge, question_of
+from recipe.envs.judge import JudgedEnvironment
 from recipe.envs.math import math_correct
 
 _LABEL = re.compile(r"^[\s*_]*[(\[]?\s*([A-Z])\s*(?:[)\].:]|$)")
@@ -55,18 +53,9 @@ def science_correct(answer: str, row: dict) -> float:
     return math_correct(answer, row)
 
 
-class ScienceEnv(Environment):
+class ScienceEnv(JudgedEnvironment):
     name = "science"
     rubric = [("correct", science_correct, 1.0)]
-    uses_judge = True
 
-    def __init__(self, judge: Judge | None = None):
-        self.judge = judge
-        self.score_in_parallel = judge is not None  # a judge call waits on the network: several at a time
-
-    def score(self, completion: str, row: dict) -> RewardResult:
-        result = super().score(completion, row)
-        if self.judge is None or _letters(row):
-            return result
-        return self.judge.recheck(result, parse_final_answer(completion), question_of(self.prompt(row)),
-                                  row["answer"])
+    def judgeable(self, row: dict) -> bool:
+        return not _letters(row)  # multiple choice: graded on the letter alone, never judged

@@ -10,49 +10,27 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from recipe.launch.roles import launched, relaunch
-from recipe.rl.dist import World, close_world, init_world
+from recipe.rl.dist import World, run_stage_on_ranks
 from recipe.rl.loop import run_rl
-from recipe.runs import Stage, require_done, stage_main
+from recipe.runs import Stage, stage_main
 
 REQUIRES = ("sft", "data")
 
 
-def lead(cfg, world: World) -> None:
-    """Rank 0 (or the one process): the stage's life; the other ranks learn from it whether, and where, to train."""
-    told = False
-
-    def body(stage: Stage, upstream: dict) -> dict:
-        nonlocal told
-        start = upstream["sft"] / "model"
-        world.broadcast((str(stage.dir), str(start)))
-        told = True
-        out = run_rl(stage.cfg, stage.dir, start, world)
-        return {"inputs": {"sft_model": start, "rl_data": upstream["data"] / "rl.parquet"},
-                "outputs": {"model": out}}
-
-    try:
-        Stage(cfg, "rl").run(body, requires=REQUIRES)
-    finally:
-        if not told:  # skipped (already done) or refused: nothing for the other ranks to do
-            world.broadcast(None)
-
-
-def follow(cfg, world: World) -> None:
-    job = world.broadcast(None)
-    if job is not None:
-        stage_dir, start = job
-        run_rl(cfg, Path(stage_dir), Path(start), world)
+def lead(stage: Stage, upstream: dict, tell, world: World) -> dict:
+    """Rank 0 (or the one process): the stage's body; the other ranks learn where to train."""
+    start = upstream["sft"] / "model"
+    tell((str(stage.dir), str(start)))
+    out = run_rl(stage.cfg, stage.dir, start, world)
+    return {"inputs": {"sft_model": start, "rl_data": upstream["data"] / "rl.parquet"}, "outputs": {"model": out}}
 
 
 def run(cfg, argv: list[str]) -> None:
-    if cfg.launcher.num_processes > 1 and not launched():
-        return relaunch(cfg, "rl", REQUIRES, "recipe.rl", argv, cfg.rl.train_threads)
-    world = init_world(cfg.launcher.collective_timeout_s)
-    try:
-        (lead if world.main else follow)(cfg, world)
-    finally:
-        close_world(world)
+    def follow(job, world: World) -> None:
+        stage_dir, start = job
+        run_rl(cfg, Path(stage_dir), Path(start), world)
+
+    run_stage_on_ranks(cfg, argv, "rl", REQUIRES, cfg.rl.train_threads, lead, follow)
 
 
 def main(argv=None):

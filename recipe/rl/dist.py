@@ -19,8 +19,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from recipe.errors import ConfigError
-from recipe.launch.roles import launched
+from recipe.launch.roles import launched, relaunch
 from recipe.model import load_pretrained
+from recipe.runs import Stage
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,38 @@ def init_world(timeout_s: float, cpu: bool = False) -> World:
 def close_world(world: World) -> None:
     if world.distributed and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def run_stage_on_ranks(cfg, argv: list[str], name: str, requires: tuple[str, ...], threads: int, lead, follow,
+                       cpu: bool = False) -> None:
+    """A training stage (`recipe.<name>`) on this machine's ranks. launcher.num_processes > 1 and no launcher yet:
+    run again under torchrun (recipe.launch.roles.relaunch). Else join the launcher's ranks, or be the one process:
+    rank 0 runs the stage (its lock and markers) with lead(stage, upstream, tell) -> its manifest, where tell(job)
+    hands the other ranks what they train from; each other rank runs follow(job), or nothing when the stage was
+    skipped or refused (they are told None)."""
+    if cfg.launcher.num_processes > 1 and not launched():
+        return relaunch(cfg, name, requires, f"recipe.{name}", argv, threads)
+    world = init_world(cfg.launcher.collective_timeout_s, cpu=cpu)
+    try:
+        if world.main:
+            told = False
+
+            def tell(job) -> None:
+                nonlocal told
+                world.broadcast(job)
+                told = True
+
+            try:
+                Stage(cfg, name).run(lambda stage, upstream: lead(stage, upstream, tell, world), requires=requires)
+            finally:
+                if not told:  # skipped (already done) or refused: nothing for the other ranks to do
+                    world.broadcast(None)
+        else:
+            job = world.broadcast(None)
+            if job is not None:
+                follow(job, world)
+    finally:
+        close_world(world)
 
 
 def sample_tokens(sample) -> int:

@@ -14,9 +14,8 @@ from pathlib import Path
 import torch
 
 from recipe.data.schema import read_split
-from recipe.launch.roles import launched, relaunch
 from recipe.model import load_pretrained
-from recipe.rl.dist import World, close_world, init_world
+from recipe.rl.dist import World, run_stage_on_ranks
 from recipe.runs import Stage, stage_main
 from recipe.sft import chat_dataset, per_device_batch, train_supervised
 
@@ -33,41 +32,22 @@ def train(cfg, stage_dir: Path, data_dir: Path, base: str, world: World) -> Path
                             use_cpu=not torch.cuda.is_available(), world=world, key="sft")
 
 
-def lead(cfg, world: World) -> None:
-    """Rank 0 (or the one process): the stage's life; the other ranks learn from it whether, and where, to train."""
-    told = False
+def run(cfg, argv: list[str]) -> None:
+    per_device_batch(cfg.sft, "sft", cfg.launcher.num_processes)  # refused before any rank starts
 
-    def body(stage: Stage, upstream: dict) -> dict:
-        nonlocal told
+    def lead(stage: Stage, upstream: dict, tell, world: World) -> dict:
+        """Rank 0 (or the one process): the stage's body; the other ranks learn where to train."""
         base = cfg.model.hub_id or str(upstream["base"] / "model")
-        world.broadcast((str(stage.dir), str(upstream["data"]), base))
-        told = True
+        tell((str(stage.dir), str(upstream["data"]), base))
         out = train(stage.cfg, stage.dir, upstream["data"], base, world)
         return {"inputs": {"sft_data": upstream["data"] / "sft.parquet"}, "outputs": {"model": out}}
 
-    try:
-        Stage(cfg, "sft").run(body, requires=requires(cfg))
-    finally:
-        if not told:  # skipped (already done) or refused: nothing for the other ranks to do
-            world.broadcast(None)
-
-
-def follow(cfg, world: World) -> None:
-    job = world.broadcast(None)
-    if job is not None:
+    def follow(job, world: World) -> None:
         stage_dir, data_dir, base = job
         train(cfg, Path(stage_dir), Path(data_dir), base, world)
 
-
-def run(cfg, argv: list[str]) -> None:
-    per_device_batch(cfg.sft, "sft", cfg.launcher.num_processes)  # refused before any rank starts
-    if cfg.launcher.num_processes > 1 and not launched():
-        return relaunch(cfg, "sft", requires(cfg), "recipe.sft", argv, cfg.sft.threads)
-    world = init_world(cfg.launcher.collective_timeout_s, cpu=not torch.cuda.is_available())
-    try:
-        (lead if world.main else follow)(cfg, world)
-    finally:
-        close_world(world)
+    run_stage_on_ranks(cfg, argv, "sft", requires(cfg), cfg.sft.threads, lead, follow,
+                       cpu=not torch.cuda.is_available())
 
 
 def main(argv=None):
