@@ -531,7 +531,7 @@ CASES = [
          "error: unknown benchmark 'nope' (known: math500, …)", call=benchmarks_cli_unknown),
     # -- the tiny tasks
     Case("a task of no environment", "make data", "error: config error: data.tasks[0].env='algebra' is not an "
-         "environment (known: code, exact, logic, math, science, tools)",
+         "environment (known: code, exact, logic, math, science, tools, verifiers)",
          args=["data.tasks=[{env:algebra,task:add}]"]),
     Case("an unknown tiny task", "make data", "error: tiny data: unknown task 'mul' (known: add, fn_fit, "
          "tool_mul, …)", args=["data.tasks=[{env:math,task:mul}]"]),

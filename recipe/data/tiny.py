@@ -11,12 +11,15 @@ import json
 import random
 import warnings
 
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
 from recipe.chat import OBSERVATION, tool_call, tool_response
 from recipe.data.schema import message
 from recipe.envs import ENVIRONMENTS
 from recipe.envs.math import INSTRUCTION as MATH_INSTRUCTION
 from recipe.envs.tools import INSTRUCTION as TOOLS_INSTRUCTION
 from recipe.envs.tools import TOOL_SPECS
+from recipe.envs.vf_adapter import VerifiersEnv, rows_from_params
 from recipe.errors import ConfigError, DataError
 
 SPLIT_BUCKETS = {"eval": range(0, 2), "rl": range(2, 6), "sft": range(6, 20)}  # of 20 buckets
@@ -174,6 +177,27 @@ def sft_completion(prompt: str, trace: str, answer: str, no_think_fraction: floa
     return f"<think>\n{trace}\n</think>\n{answer}"
 
 
+def verifiers_rows(spec, key: str, want: dict) -> dict[str, list[dict]]:
+    """The rows of a verifiers taskset (recipe/envs/vf_adapter.py), split by a hash of the prompt as the tiny
+    tasks are: the held-out share goes to eval, the rest to rl (a taskset brings no demonstration to train SFT
+    on); each split takes up to its rows per task, and the taskset is read no further than both need."""
+    by_split = {"rl": [], "eval": []}
+    try:
+        # the params go into every row's info as JSON: plain values, not omegaconf's containers
+        params = spec.params
+        params = OmegaConf.to_container(params, resolve=True) if isinstance(params, (DictConfig, ListConfig)) \
+            else dict(params)
+        for row in rows_from_params(params, spec.task, key, spec.difficulty):
+            split = "eval" if split_of("\n".join(m["content"] for m in row["prompt"])) == "eval" else "rl"
+            if len(by_split[split]) < want[split]:
+                by_split[split].append({**row, "split": split})
+            if all(len(rows) >= want[name] for name, rows in by_split.items()):
+                break
+    except ConfigError as e:  # the task's params, or a taskset the adapter refuses
+        raise type(e)(f"config error: {e}") from None
+    return by_split
+
+
 def build_tiny(data_cfg) -> dict[str, list[dict]]:
     """Rows for every split: sft, rl, eval (schema rows) and pretrain (plain text rows)."""
     want = {"sft": data_cfg.sft_rows_per_task, "rl": data_cfg.rl_rows_per_task, "eval": data_cfg.eval_rows_per_task}
@@ -187,6 +211,10 @@ def build_tiny(data_cfg) -> dict[str, list[dict]]:
         if spec.env not in ENVIRONMENTS:
             raise ConfigError(f"config error: {key}.env={spec.env!r} is not an environment "
                               f"(known: {', '.join(sorted(ENVIRONMENTS))})")
+        if spec.env == VerifiersEnv.name:
+            for split, rows in verifiers_rows(spec, key, want).items():
+                out[split].extend(rows)
+            continue
         try:
             pool = task_items(spec, pool_size, data_cfg.seed * 1000 + t_idx)
         except (TypeError, ValueError, AssertionError) as e:  # the generator refuses its arguments

@@ -6,9 +6,11 @@ from recipe.envs.logic import LogicEnv
 from recipe.envs.math import MathEnv
 from recipe.envs.science import ScienceEnv
 from recipe.envs.tools import ToolsEnv
+from recipe.envs.vf_adapter import VerifiersEnv
 
+# verifiers: a taskset of Prime Intellect's verifiers library (the optional extra; recipe/envs/vf_adapter.py)
 ENVIRONMENTS = {"math": MathEnv, "logic": LogicEnv, "science": ScienceEnv, "code": CodeEnv, "exact": ExactEnv,
-                "tools": ToolsEnv}
+                "tools": ToolsEnv, "verifiers": VerifiersEnv}
 
 
 def get_env(name: str, judge=None, **options) -> Environment:
