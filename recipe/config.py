@@ -95,6 +95,14 @@ class SchedulerKind(StrEnum):
     inverse_sqrt = "inverse_sqrt"
 
 
+class ReportTo(StrEnum):
+    """Where the stages' metrics go besides metrics.jsonl (recipe/tracking.py)."""
+    none = "none"
+    tensorboard = "tensorboard"
+    wandb = "wandb"
+    trackio = "trackio"
+
+
 class CheckpointName(StrEnum):
     """The stages whose model eval can load."""
     base = "base"
@@ -394,6 +402,14 @@ class LauncherConfig:
 
 
 @dataclass
+class LoggingConfig:
+    """Experiment tracking for every stage (recipe/tracking.py). Not in any stage's config hash: where metrics are
+    also sent does not change a stage's output, so switching it neither redoes nor refuses a finished stage."""
+    report_to: ReportTo = ReportTo.none
+    project: str = "intellect3-recipe"  # the wandb and trackio project; each stage is a run <preset>-<stage> in it
+
+
+@dataclass
 class Config:
     preset: str = "tiny"
     run_root: str = "runs"
@@ -406,6 +422,7 @@ class Config:
     rl: RLConfig = field(default_factory=RLConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     launcher: LauncherConfig = field(default_factory=LauncherConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 ConfigStore.instance().store(name="schema", node=Config)

@@ -39,7 +39,8 @@ from omegaconf import OmegaConf
 from recipe.config import config_hash, load_config
 from recipe.errors import RecipeError, StageError
 
-# Sections of the config that decide each stage's output (a change elsewhere does not invalidate it).
+# Sections of the config that decide each stage's output (a change elsewhere does not invalidate it; logging, where
+# metrics are also sent, is in none).
 STAGE_KEYS = {
     "data": ["preset", "seed", "data"],
     "base": ["preset", "seed", "data", "model", "base"],

@@ -11,7 +11,7 @@ PKG = ROOT / "recipe"
 LAYERS = [
     ["recipe.errors"],
     ["recipe.config"],
-    ["recipe.runs"],
+    ["recipe.runs", "recipe.tracking"],
     ["recipe.launch.roles"],
     ["recipe.chat", "recipe.hub", "recipe.sandbox", "recipe.weights"],
     ["recipe.envs", "recipe.model"],

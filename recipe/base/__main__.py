@@ -20,16 +20,18 @@ from recipe.model import build_tiny_model, build_tokenizer, tokenizer_from_str
 from recipe.rl.dist import World, run_stage_on_ranks
 from recipe.runs import Stage, stage_main
 from recipe.sft import per_device_batch, train_supervised
+from recipe.tracking import TrainerTracking
 
 REQUIRES = ("data",)
 
 
 def train(cfg, stage_dir: Path, pretrain: list[str], tokenizer, world: World) -> Path:
+    tracking = TrainerTracking(cfg, "base", stage_dir)  # a missing tracking package stops it before the model
     model = build_tiny_model(cfg.model.tiny, tokenizer, seed=cfg.seed)
     if world.main:
         print(f"base: Glm4MoeForCausalLM with {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters")
     return train_supervised(model, tokenizer, Dataset.from_dict({"text": pretrain}), cfg.base, stage_dir,
-                            use_cpu=True, world=world, key="base")
+                            use_cpu=True, world=world, key="base", tracking=tracking)
 
 
 def lead(stage: Stage, upstream: dict, tell, world: World) -> dict:

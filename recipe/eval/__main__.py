@@ -21,7 +21,7 @@ import torch
 from omegaconf import OmegaConf
 
 from recipe.chat import encode_prompt
-from recipe.config import EngineKind, config_hash, drop_unset_top_k
+from recipe.config import CheckpointName, EngineKind, config_hash, drop_unset_top_k
 from recipe.data.schema import read_split
 from recipe.errors import StageError
 from recipe.eval import sampling
@@ -32,6 +32,7 @@ from recipe.inference.hf import HFEngine
 from recipe.inference.vllm import VLLMEngine
 from recipe.runs import (STAGE_KEYS, Stage, done_hash, provenance, require_done, sha256_tree, stage_dir, stage_main,
                          write_atomic)
+from recipe.tracking import Tracker, open_tracker
 
 # eval keys that only concern the benchmarks: left out of the held-out suite's key, so that adding a benchmark
 # does not redo the held-out eval (and the key stays what it was before these keys existed)
@@ -118,13 +119,23 @@ def main(cfg):
     validate_benchmarks(cfg.eval)
     torch.set_num_threads(cfg.eval.threads)
     stage = Stage(cfg, "eval")
-    with stage.locked():  # one eval at a time in a run folder
-        run_eval(cfg, stage)
+    with stage.locked(), open_tracker(cfg, "eval", stage.dir) as tracker:  # one eval at a time in a run folder
+        run_eval(cfg, stage, tracker)
     path = write_report(cfg)
     print(f"eval: wrote {path}")
 
 
-def run_eval(cfg, stage: Stage) -> None:
+def scores(spec, res: dict) -> dict:
+    """What the tracker gets of one results.json: the held-out suite's overall and per-environment scores, or a
+    benchmark's own, under the suite's name."""
+    if spec is None:
+        return {"held_out": {"overall": res["overall"], "env": res["env"]}}
+    return {spec.name: res["benchmark"]}
+
+
+def run_eval(cfg, stage: Stage, tracker: Tracker) -> None:
+    """tracker: the scores evaluated of each checkpoint, logged once, at the checkpoint's place in the pipeline
+    (base 0, sft 1, rl 2: the x axis of a curve over the stages)."""
     data_dir = stage_dir(cfg, "data")
     rows = held_out_rows(cfg) if cfg.eval.held_out else []
     bench_rows: dict[str, list[dict]] = {}
@@ -165,6 +176,7 @@ def run_eval(cfg, stage: Stage) -> None:
             if spec is not None and spec.name not in bench_rows:
                 bench_rows[spec.name] = load_benchmark(spec, timeout=cfg.eval.hub_timeout_s)
         engine = make_eval_engine(cfg, path, out)
+        logged: dict = {}
         try:
             for spec, key in jobs:
                 started = time.time()
@@ -193,9 +205,11 @@ def run_eval(cfg, stage: Stage) -> None:
                                                extra={"upstream": upstream})
                 write_atomic(res_path, json.dumps(res, indent=2, sort_keys=True))
                 print(f"eval: {label}: {summary}")
+                logged.update(scores(spec, res))
         finally:
             if hasattr(engine, "close"):
                 engine.close()
+        tracker.log(logged, list(CheckpointName).index(name))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from pathlib import Path
 from recipe.rl.dist import World, run_stage_on_ranks
 from recipe.rl.loop import run_rl
 from recipe.runs import Stage, stage_main
+from recipe.tracking import open_tracker
 
 REQUIRES = ("sft", "data")
 
@@ -20,8 +21,9 @@ REQUIRES = ("sft", "data")
 def lead(stage: Stage, upstream: dict, tell, world: World) -> dict:
     """Rank 0 (or the one process): the stage's body; the other ranks learn where to train."""
     start = upstream["sft"] / "model"
-    tell((str(stage.dir), str(start)))
-    out = run_rl(stage.cfg, stage.dir, start, world)
+    with open_tracker(stage.cfg, "rl", stage.dir) as tracker:  # before the other ranks are told: it may refuse
+        tell((str(stage.dir), str(start)))
+        out = run_rl(stage.cfg, stage.dir, start, world, tracker)
     return {"inputs": {"sft_model": start, "rl_data": upstream["data"] / "rl.parquet"}, "outputs": {"model": out}}
 
 

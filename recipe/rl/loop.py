@@ -32,6 +32,7 @@ from recipe.rl.trainer import (build_optimizer, build_scheduler, full_state_dict
                                load_checkpoint, publish_weights, save_checkpoint, train_step)
 from recipe.runs import STOP, MetricsLog, release_free_memory, require_done
 from recipe.sandbox.runner import run_on_cores
+from recipe.tracking import Tracker
 
 
 def make_engine(cfg, model_path, version: int, log_dir):
@@ -50,9 +51,10 @@ def make_engine(cfg, model_path, version: int, log_dir):
     return VLLMEngine(str(model_path), cfg, version=version, log_path=log_dir / "vllm_server.log")
 
 
-def run_rl(cfg, stage_dir, start_model, world: World = World()):
+def run_rl(cfg, stage_dir, start_model, world: World = World(), tracker: Tracker = Tracker()):
     """The RL loop itself; returns the final model folder. Resumes from the newest checkpoint in stage_dir. With
-    several ranks every rank calls it, with its World."""
+    several ranks every rank calls it, with its World. tracker (rank 0's, recipe.tracking): gets every step's
+    record and every eval's, at their step; the default logs nothing."""
     rl = cfg.rl
     torch.manual_seed(rl.seed)
     threads_before = torch.get_num_threads()
@@ -64,7 +66,7 @@ def run_rl(cfg, stage_dir, start_model, world: World = World()):
         os.sched_setaffinity(0, {0})  # the engine process takes core 1
         run_on_cores(cores_before)  # sandboxed programs (code rewards, the python tool) go where there is room
     try:
-        return _rl_loop(cfg, stage_dir, start_model, world)
+        return _rl_loop(cfg, stage_dir, start_model, world, tracker)
     finally:  # give the cores back: a caller (the bench's eval) runs with all its threads afterwards
         if pin:
             os.sched_setaffinity(0, cores_before)
@@ -72,7 +74,7 @@ def run_rl(cfg, stage_dir, start_model, world: World = World()):
         torch.set_num_threads(threads_before)
 
 
-def _rl_loop(cfg, stage_dir, start_model, world: World):
+def _rl_loop(cfg, stage_dir, start_model, world: World, tracker: Tracker):
     rl = cfg.rl
     model, tokenizer = load_sharded(start_model, world, cfg.launcher.hsdp_replicas, cfg.model.dtype,
                                     cfg.model.attn_implementation, rl.activation_checkpointing)
@@ -130,6 +132,8 @@ def _rl_loop(cfg, stage_dir, start_model, world: World):
             if evals is None or not evals.due(step) or STOP.requested:
                 return {}
             done = evals.run(engine, tokenizer, step, context)
+            if done is not None:
+                tracker.log({f"eval/{key}": v for key, v in done.items() if key != "step"}, step)
             k = rl.eval_samples
             return {} if done is None or done[f"avg@{k}"] is None else {"eval_avg": done[f"avg@{k}"]}
 
@@ -161,6 +165,7 @@ def _rl_loop(cfg, stage_dir, start_model, world: World):
                               "samples_per_s": len(samples) / (t3 - t0),
                               "elapsed_s": time.perf_counter() - t_start}
                     metrics.log(record)  # after the checkpoint, so a resumed run never logs a step twice
+                    tracker.log(record, step)
                     bar.set_postfix(reward=f"{gen_stats['reward']:.3f}",
                                     masked=f"{train_stats['masked_share']:.3f}", stale=str(gen_stats["staleness"]))
                     bar.update(1)

@@ -29,6 +29,7 @@ from recipe.chat import ENV_REPLY, messages, template_tools
 from recipe.errors import ConfigError, DataError, StageError
 from recipe.rl.dist import World
 from recipe.runs import STOP, MetricsLog, safetensors_problem, torch_save_problem
+from recipe.tracking import TrainerTracking
 
 
 class MetricsCallback(TrainerCallback):
@@ -215,12 +216,14 @@ def sharding(model, train_cfg, world: World, use_cpu: bool) -> dict:
 
 
 def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_cpu: bool,
-                     world: World | None = None, key: str = "sft") -> Path:
+                     world: World | None = None, key: str = "sft", tracking: TrainerTracking | None = None) -> Path:
     """Train to train_cfg.max_steps, resuming from the newest checkpoint; returns the final model folder.
 
     world: this rank (recipe.rl.dist.init_world) when torchrun started several; every rank calls this with the
-    same arguments. key: the config section train_cfg is (`sft`, `base`), for the batch check's message."""
+    same arguments. key: the config section train_cfg is (`sft`, `base`), for the batch check's message.
+    tracking: logging.report_to through the Trainer's own integration (recipe.tracking); None: none."""
     world = world or World()
+    tracking = tracking or TrainerTracking()
     per_device = per_device_batch(train_cfg, key, world.size)
     torch.set_num_threads(train_cfg.threads)
     ckpt_dir = stage_dir / "checkpoints"
@@ -252,15 +255,16 @@ def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_
         gradient_checkpointing=train_cfg.gradient_checkpointing and not fsdp,  # under FSDP2: FSDP's own
         seed=train_cfg.seed,
         use_cpu=use_cpu,
-        report_to="none",
+        **tracking.args,
         dataloader_num_workers=0,
         disable_tqdm=False,
         **fsdp,
     )
-    trainer = ResumingSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                                 callbacks=callbacks)
-    with STOP.cooperative():
-        trainer.train(resume_from_checkpoint=last)
+    with tracking.environment():
+        trainer = ResumingSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                                     callbacks=callbacks + tracking.callbacks)
+        with STOP.cooperative():
+            trainer.train(resume_from_checkpoint=last)
     # a collective: every rank has finished its part of the last save before rank 0 looks at the checkpoints
     stop = world.any(STOP.requested)
     # Then a barrier, so that no rank leaves right after that all-reduce. gloo's worker thread releases a finished

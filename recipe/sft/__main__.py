@@ -18,6 +18,7 @@ from recipe.model import load_pretrained
 from recipe.rl.dist import World, run_stage_on_ranks
 from recipe.runs import Stage, stage_main
 from recipe.sft import chat_dataset, per_device_batch, train_supervised
+from recipe.tracking import TrainerTracking
 
 
 def requires(cfg) -> tuple[str, ...]:
@@ -26,10 +27,11 @@ def requires(cfg) -> tuple[str, ...]:
 
 
 def train(cfg, stage_dir: Path, data_dir: Path, base: str, world: World) -> Path:
+    tracking = TrainerTracking(cfg, "sft", stage_dir)  # a missing tracking package stops it before the model
     rows = read_split(data_dir, "sft")
     model, tokenizer = load_pretrained(base, cfg.model.revision, cfg.model.dtype, cfg.model.attn_implementation)
     return train_supervised(model, tokenizer, chat_dataset(rows, tokenizer), cfg.sft, stage_dir,
-                            use_cpu=not torch.cuda.is_available(), world=world, key="sft")
+                            use_cpu=not torch.cuda.is_available(), world=world, key="sft", tracking=tracking)
 
 
 def run(cfg, argv: list[str]) -> None:
