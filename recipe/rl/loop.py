@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from recipe.config import EngineKind
 from recipe.data.schema import read_split
-from recipe.inference.vllm import VLLMEngine
+from recipe.inference.vllm import VLLMEngine, run_servers_on
 from recipe.inference.worker import HFEngineProcess
 from recipe.launch.roles import INFERENCE_URLS_ENV
 from recipe.rl import eval_during
@@ -65,12 +65,14 @@ def run_rl(cfg, stage_dir, start_model, world: World = World(), tracker: Tracker
     if pin:
         os.sched_setaffinity(0, {0})  # the engine process takes core 1
         run_on_cores(cores_before)  # sandboxed programs (code rewards, the python tool) go where there is room
+        run_servers_on(set(cores_before) - {0} or cores_before)  # a vLLM server: the trainer's pin is not its own
     try:
         return _rl_loop(cfg, stage_dir, start_model, world, tracker)
     finally:  # give the cores back: a caller (the bench's eval) runs with all its threads afterwards
         if pin:
             os.sched_setaffinity(0, cores_before)
             run_on_cores(None)
+            run_servers_on(None)
         torch.set_num_threads(threads_before)
 
 

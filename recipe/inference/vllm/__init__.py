@@ -12,13 +12,13 @@ on there. tests/test_vllm_engine.py::test_real_vllm_server checks the whole agai
 """
 from recipe.inference.vllm.client import LOGPROBS, TOKEN_PREFIX, VLLMEngine, completion_body, parse_completion
 from recipe.inference.vllm.server import (MAX_LOGPROBS, REPO_ROOT, SERVED_MODEL_NAME, ServerProcess, TimedOut,
-                                          Unavailable, hf_server_command, read_stop_ids, server_command,
-                                          server_env)
+                                          Unavailable, hf_server_command, read_stop_ids, run_servers_on,
+                                          server_command, server_env)
 from recipe.inference.vllm.worker_ext import EXTENSION_CLS, RELOAD_METHOD, WeightLoaderExtension, checkpoint_format
 
 __all__ = ["EXTENSION_CLS", "LOGPROBS", "MAX_LOGPROBS", "RELOAD_METHOD", "REPO_ROOT", "SERVED_MODEL_NAME",
            "ServerProcess", "TOKEN_PREFIX", "TimedOut", "Unavailable", "VLLMEngine", "WeightLoaderExtension",
            "checkpoint_format", "completion_body", "hf_server_command", "parse_completion", "read_stop_ids",
-           "server_command", "server_env"]
+           "run_servers_on", "server_command", "server_env"]
 # The retry settings (RETRY_TRIES, RETRY_BASE_DELAY_S, ...) live in recipe.inference.vllm.server, read there at
 # each call: set them on that module, not on this package.

