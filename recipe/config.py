@@ -229,6 +229,9 @@ class TrainConfig:
     scheduler: SchedulerKind = SchedulerKind.cosine
     max_length: int = 256
     packing: bool = False
+    # batches of rows of about equal length (recipe.sft.length_grouped_order): a random batch of the tiny chat rows
+    # is about a third padding, a grouped one about 1%
+    group_by_length: bool = False
     save_steps: int = 100
     save_total_limit: int = 2
     logging_steps: int = 10
@@ -730,6 +733,9 @@ def validate(cfg) -> None:
     judge_url = cfg.rl.judge.url
     if judge_url is not None and not re.match(r"https?://[^/\s]+", judge_url):
         _fail(f"rl.judge.url must be an http(s) address (http://host:port), got {judge_url!r}")
+    for key in ("base", "sft"):
+        if cfg[key].group_by_length and cfg[key].packing:
+            _fail(f"{key}.group_by_length and {key}.packing exclude each other: packed rows have no padding to save")
     _check_pass_rate_filter(cfg.data)
     m = cfg.model
     if m.params_total_b is not None and m.params_active_b is not None and m.params_active_b > m.params_total_b:

@@ -145,6 +145,9 @@ def test_a_short_sft_run_trains_on_the_masked_dataset(tiny, tmp_path):
     losses = [json.loads(x)["loss"] for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()
               if "loss" in json.loads(x)]
     assert len(losses) == 2 and all(0 < x < 100 for x in losses)
+    padding = [json.loads(x)["padding"] for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()
+               if "padding" in json.loads(x)]
+    assert len(padding) == 2 and all(0 <= x < 1 for x in padding)  # each step's share, logged with the loss
 
 
 # ---------------------------------------------------------------- tools and tool calls through the template
@@ -278,3 +281,48 @@ def test_a_tool_call_that_does_not_parse_names_its_row():
                                                                          '"arguments": "{not json"}}]'}]}
     with pytest.raises(DataError, match=row["id"]):
         chat_dataset([bad], _RecordingTokenizer())
+
+
+# ---------------------------------------------------------------- length-grouped batches
+
+def _padding(lengths, order, batch_size):
+    batches = [[lengths[i] for i in order[b:b + batch_size]] for b in range(0, len(order), batch_size)]
+    return 1 - sum(map(sum, batches)) / sum(max(b) * len(b) for b in batches)
+
+
+def test_length_grouped_batches_cut_padding_and_train_every_row_equally_often():
+    import random
+
+    from recipe.sft import length_grouped_order
+
+    rng = random.Random(0)
+    lengths = [rng.choice([20, 40, 60, 110]) + rng.randrange(8) for _ in range(3000)]
+    order = length_grouped_order(lengths, batch_size=32, steps=300, seed=0)
+    assert len(order) == 300 * 32
+    counts = [order.count(i) for i in range(len(lengths))]
+    # 9600 rows from 3000: three passes and a part of a fourth (a pass's few left-over rows go into the next)
+    assert min(counts) >= 2 and max(counts) <= 4 and sum(c >= 3 for c in counts) > 0.99 * len(counts)
+    shuffled = rng.sample(range(len(lengths)), len(lengths)) * 4
+    assert _padding(lengths, order, 32) < 0.05 < 0.3 < _padding(lengths, shuffled[:len(order)], 32)
+    # the same order for the same arguments (a resumed run, every rank); another seed, another order
+    assert length_grouped_order(lengths, 32, 300, 0) == order != length_grouped_order(lengths, 32, 300, 1)
+    assert length_grouped_order(lengths, 32, 120, 0) == order[:120 * 32]  # fewer steps: the same start
+    # a batch's length says nothing about when it comes: long batches are spread over the pass
+    firsts = [max(lengths[i] for i in order[b:b + 32]) for b in range(0, 93 * 32, 32)]
+    assert 0.1 < sum(x > 100 for x in firsts) / len(firsts) < 0.4  # a quarter of the rows are long
+
+
+def test_too_few_rows_for_a_batch_is_an_error():
+    from recipe.errors import DataError
+    from recipe.sft import length_grouped_order
+
+    with pytest.raises(DataError, match="3 rows cannot fill one batch of 4"):
+        length_grouped_order([5, 6, 7], 4, 10, 0)
+
+
+def test_group_by_length_and_packing_exclude_each_other():
+    from recipe.config import load_config
+    from recipe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="sft.group_by_length and sft.packing exclude each other"):
+        load_config(["sft.packing=true", "sft.group_by_length=true"])

@@ -22,11 +22,12 @@ ARCH = TinyArch(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_a
                 num_experts_per_tok=2, max_position_embeddings=64)
 
 
-def train_cfg(max_steps, save_steps=K):
+def train_cfg(max_steps, save_steps=K, group_by_length=False):
     # a constant LR without warmup: a run to K then resumed to 2K follows the schedule of one run to 2K, as a run
     # to 2K killed after its checkpoint at K does (the cosine schedule and warmup depend on max_steps)
     return TrainConfig(max_steps=max_steps, batch_size=4, lr=1e-2, warmup_ratio=0.0, scheduler="constant",
-                       max_length=32, save_steps=save_steps, save_total_limit=3, logging_steps=1, threads=1)
+                       max_length=32, save_steps=save_steps, save_total_limit=3, logging_steps=1, threads=1,
+                       group_by_length=group_by_length)
 
 
 @pytest.fixture(scope="module")
@@ -34,10 +35,10 @@ def tok():
     return build_tokenizer(TEXTS, 300)
 
 
-def train(tok, stage_dir, max_steps, seed=0, save_steps=K, model=None):
+def train(tok, stage_dir, max_steps, seed=0, save_steps=K, model=None, group_by_length=False):
     model = model or build_tiny_model(ARCH, tok, seed=seed)
-    train_supervised(model, tok, Dataset.from_dict({"text": TEXTS}), train_cfg(max_steps, save_steps), stage_dir,
-                     use_cpu=True)
+    train_supervised(model, tok, Dataset.from_dict({"text": TEXTS}), train_cfg(max_steps, save_steps, group_by_length),
+                     stage_dir, use_cpu=True)
     return model
 
 
@@ -46,13 +47,13 @@ def metrics(stage_dir):
     return {r["step"]: r for r in rows if "loss" in r}  # the end-of-train summary line has no loss
 
 
-@pytest.fixture(scope="module")
-def runs(tok, tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["random", "group_by_length"])
+def runs(tok, tmp_path_factory, request):
     root = tmp_path_factory.mktemp("resume")
-    whole = train(tok, root / "whole", 2 * K)
-    train(tok, root / "cut", K)
+    whole = train(tok, root / "whole", 2 * K, group_by_length=request.param)
+    train(tok, root / "cut", K, group_by_length=request.param)
     # `make` after a kill: a fresh process builds the model again and finds checkpoint-K in the same folder
-    resumed = train(tok, root / "cut", 2 * K)
+    resumed = train(tok, root / "cut", 2 * K, group_by_length=request.param)
     return {"root": root, "whole": whole, "resumed": resumed,
             "whole_metrics": metrics(root / "whole"), "cut_metrics": metrics(root / "cut")}
 

@@ -164,11 +164,38 @@ class ResumingSFTTrainer(SFTTrainer):
     load: a key that still does not match is an error. Peak memory is that of the Trainer's own load (one full
     state dict on the CPU).
 
+    Batches: group_by_length, rows of about one length in a batch (_get_train_sampler).
+
+    Padding: the share of padding tokens in the batches since the last log, as `padding` in metrics.jsonl.
+
     Token counter: TRL keeps the `num_tokens` it logs in the trainer (`_total_train_tokens`), which starts at 0 in
     every process, so after a resume the metric restarted from 0. Each checkpoint records it in the TrainerState's
     `num_input_tokens_seen` (the same count: input tokens, padding excluded; the Trainer itself leaves it alone as
     include_num_input_tokens_seen is off), and a resume starts the counter from there.
     """
+
+    def __init__(self, *args, group_by_length: bool = False, **kwargs):
+        self.group_by_length = group_by_length
+        super().__init__(*args, **kwargs)
+
+    def _get_train_sampler(self, train_dataset=None):
+        """group_by_length: the whole run's row order (length_grouped_order) as one epoch of max_steps global
+        batches, from the lengths of the rows as TRL tokenized and cut them. The ranks take consecutive slices of
+        each global batch (accelerate's batch sampler shards), and a resume skips the batches already trained."""
+        if not self.group_by_length:
+            return super()._get_train_sampler(train_dataset)
+        dataset = train_dataset if train_dataset is not None else self.train_dataset
+        args = self.args
+        batch = args.per_device_train_batch_size * args.world_size
+        return length_grouped_order([len(ids) for ids in dataset["input_ids"]], batch,
+                                    args.max_steps * args.gradient_accumulation_steps, args.seed)
+
+    def training_step(self, model, inputs, *args, **kwargs):
+        # the share of padding in this rank's batch, logged (averaged) with TRL's own metrics
+        mask = inputs.get("attention_mask")
+        if mask is not None:  # a packed, padding-free batch has none
+            self._metrics["train"]["padding"].append(1.0 - mask.sum().item() / mask.numel())
+        return super().training_step(model, inputs, *args, **kwargs)
 
     def _save_checkpoint(self, model, trial):
         self.state.num_input_tokens_seen = self._total_train_tokens
@@ -262,7 +289,8 @@ def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_
     )
     with tracking.environment():
         trainer = ResumingSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                                     callbacks=callbacks + tracking.callbacks)
+                                     callbacks=callbacks + tracking.callbacks,
+                                     group_by_length=train_cfg.group_by_length)
         with STOP.cooperative():
             trainer.train(resume_from_checkpoint=last)
     # a collective: every rank has finished its part of the last save before rank 0 looks at the checkpoints
@@ -285,6 +313,37 @@ def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_
     if world.main:
         tokenizer.save_pretrained(str(out))
     return out
+
+
+def length_grouped_order(lengths: list[int], batch_size: int, steps: int, seed: int,
+                         window: int = 64) -> list[int]:
+    """Row indices for `steps` batches of `batch_size`, each batch of rows of about the same length.
+
+    Each pass over the data is a fresh permutation (seeded by seed and the pass) behind the rows the pass before
+    left over; it is cut into windows of `window` batches, each window sorted by length and cut into batches,
+    and the pass's batches are shuffled, so that a batch's length says nothing about when it is trained. Rows
+    short of a whole batch wait for the next pass: every row is trained as often as every other, give or take the
+    pass cut short at max_steps. The order for fewer steps is the start of the order for more, and it depends on
+    nothing else, so a resumed run and every rank see the same batches, which the Trainer's own length-grouped
+    sampler (global RNG, drawn when an epoch starts) does not promise."""
+    if len(lengths) < batch_size:
+        raise DataError(f"{len(lengths)} rows cannot fill one batch of {batch_size}")
+    order: list[int] = []
+    left: list[int] = []
+    epoch = 0
+    while len(order) < steps * batch_size:
+        g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+        pool = left + torch.randperm(len(lengths), generator=g).tolist()
+        whole = len(pool) // batch_size * batch_size
+        pool, left = pool[:whole], pool[whole:]
+        batches = []
+        for start in range(0, whole, window * batch_size):
+            chunk = sorted(pool[start:start + window * batch_size], key=lambda i: lengths[i])
+            batches += [chunk[b:b + batch_size] for b in range(0, len(chunk), batch_size)]
+        for b in torch.randperm(len(batches), generator=g).tolist():
+            order += batches[b]
+        epoch += 1
+    return order[:steps * batch_size]
 
 
 def tokenize_chat_row(tokenizer, prompt: list[dict], completion: list[dict],
