@@ -450,6 +450,8 @@ CASES = [
                                  "ListConfig, list or tuple."),
     config_case("rl.engine=tgi", "error: config error: rl.engine=tgi: Invalid value 'tgi', expected one of "
                                  "[hf, vllm]"),
+    config_case("logging.report_to=mlflow", "error: config error: logging.report_to=mlflow: Invalid value "
+                                            "'mlflow', expected one of [none, tensorboard, wandb, trackio]"),
     config_case("rl.optimizer=sgd", "error: config error: rl.optimizer=sgd: Invalid value 'sgd', expected one of "
                                     "[adamw, muon]"),
     config_case("model.dtype=fp32", "error: config error: model.dtype=fp32: Invalid value 'fp32', expected one of "
@@ -533,6 +535,9 @@ CASES = [
     Case("a task of no environment", "make data", "error: config error: data.tasks[0].env='algebra' is not an "
          "environment (known: code, exact, logic, math, science, tools, verifiers)",
          args=["data.tasks=[{env:algebra,task:add}]"]),
+    Case("a verifiers taskset that is not installed", "make data", "error: config error: data.tasks[0]: verifiers "
+         "taskset 'no_such_taskset' cannot be loaded: ModuleNotFoundError: taskset 'no_such_taskset' not found …",
+         args=["data.tasks=[{env:verifiers,task:x,params:{taskset:no_such_taskset}}]"]),
     Case("an unknown tiny task", "make data", "error: tiny data: unknown task 'mul' (known: add, fn_fit, "
          "tool_mul, …)", args=["data.tasks=[{env:math,task:mul}]"]),
     Case("task params the generator does not take", "make data",
