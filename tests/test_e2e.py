@@ -82,6 +82,25 @@ def test_every_stage_left_a_manifest_and_rerun_does_nothing(pipeline):
     assert "already done" in res.stdout
 
 
+def test_every_model_folder_has_a_card_and_eval_put_its_scores_there(pipeline):
+    from huggingface_hub import ModelCard
+
+    from recipe.runs import done_hash, sha256_tree
+
+    root, res = pipeline
+    for name in ("base", "sft", "rl"):
+        card = ModelCard.load(root / "tiny" / name / "model" / "README.md")
+        assert card.data.recipe["stage"] == name and card.data.recipe["command"].startswith(f"make {name} ")
+        assert card.data.recipe["config_hash"] == done_hash(root / "tiny" / name)
+        # eval rewrote the card after the stage: the hashes the manifest recorded still hold
+        manifest = json.loads((root / "tiny" / name / "manifest.json").read_text())
+        assert sha256_tree(root / "tiny" / name / "model") == manifest["outputs"]["model"]
+    card = ModelCard.load(root / "tiny" / "rl" / "model" / "README.md")
+    assert {r.dataset_config: r.metric_value for r in card.data.eval_results} == \
+        {e: v["avg@4"] for e, v in res["rl"]["env"].items()}
+    assert "## Held-out scores" in card.text and "mean over environments" in card.text
+
+
 def test_rl_metrics_have_one_record_per_step(pipeline):
     root, _ = pipeline
     records = [json.loads(x) for x in (root / "tiny" / "rl" / "metrics.jsonl").read_text().splitlines()]

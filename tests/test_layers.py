@@ -13,7 +13,7 @@ LAYERS = [
     ["recipe.config"],
     ["recipe.runs", "recipe.tracking"],
     ["recipe.launch.roles"],
-    ["recipe.chat", "recipe.hub", "recipe.sandbox", "recipe.weights"],
+    ["recipe.chat", "recipe.hub", "recipe.sandbox", "recipe.weights", "recipe.model_card"],
     ["recipe.envs", "recipe.model"],
     ["recipe.rollout"],
     ["recipe.inference"],

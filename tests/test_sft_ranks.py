@@ -165,6 +165,7 @@ def test_two_ranks_take_the_one_process_steps(runs):
 
 @pytest.mark.slow
 def test_sigterm_stops_both_ranks_after_the_same_step_and_the_rerun_resumes_from_it(runs):
+    from huggingface_hub import ModelCard
     from transformers import AutoModelForCausalLM
 
     n, sft_dir = runs["n"], runs["ranks"]
@@ -196,6 +197,9 @@ def test_sigterm_stops_both_ranks_after_the_same_step_and_the_rerun_resumes_from
                                                          "manifest.json", "metrics.jsonl", "model"]
     manifest = json.loads((sft_dir / "manifest.json").read_text())
     assert manifest["stage"] == "sft" and "launcher.num_processes=2" in manifest["command"]
+    card = ModelCard.load(sft_dir / "model" / "README.md")  # rank 0's, from the command torchrun gave it
+    assert card.data.recipe["stage"] == "sft" and card.data.recipe["command"].startswith("make sft PRESET=tiny ARGS=")
+    assert "launcher.num_processes=2" in card.data.recipe["command"]
     assert json.loads((sft_dir / "DONE.json").read_text())["config_hash"] == manifest["config_hash"]
     final = AutoModelForCausalLM.from_pretrained(sft_dir / "model")
     single = AutoModelForCausalLM.from_pretrained(runs["single"] / "model")

@@ -2,7 +2,8 @@
 that eval.benchmarks lists (each with its own k and sampling), then RESULTS.md.
 
 Output: eval/<checkpoint>/{results.json, samples.jsonl} for the held-out suite and
-eval/<checkpoint>/<benchmark>/{results.json, samples.jsonl} for each benchmark; one engine serves them all.
+eval/<checkpoint>/<benchmark>/{results.json, samples.jsonl} for each benchmark; one engine serves them all. The
+held-out scores also go into the card of each evaluated model folder (README.md, recipe/model_card.py).
 
 Sampling: what the eval config leaves null comes from the checkpoint's generation_config.json, as the release
 evals' vLLM servers took it (recipe/eval/sampling.py); each results.json records every setting with its source
@@ -30,6 +31,7 @@ from recipe.eval.report import write_report
 from recipe.eval.runner import evaluate, model_context
 from recipe.inference.hf import HFEngine
 from recipe.inference.vllm import VLLMEngine
+from recipe.model_card import write_card
 from recipe.runs import (STAGE_KEYS, Stage, done_hash, provenance, require_done, sha256_tree, stage_dir, stage_main,
                          write_atomic)
 from recipe.tracking import Tracker, open_tracker
@@ -133,12 +135,26 @@ def scores(spec, res: dict) -> dict:
     return {spec.name: res["benchmark"]}
 
 
+def update_card(cfg, name: str, folder: Path, results_path: Path, key: str) -> None:
+    """Write the model folder's card again, with the held-out scores of this model under this eval config
+    (results.json's key says so), or with none. A folder without the stage's manifest was not made by a stage
+    (a test's stand-in): it gets no card."""
+    if not (stage_dir(cfg, name) / "manifest.json").exists():
+        return
+    try:
+        res = json.loads(results_path.read_text()) if results_path.exists() else {}
+    except ValueError:
+        res = {}
+    write_card(cfg, name, folder, results=res if res.get("key") == key else None)
+
+
 def run_eval(cfg, stage: Stage, tracker: Tracker) -> None:
     """tracker: the scores evaluated of each checkpoint, logged once, at the checkpoint's place in the pipeline
     (base 0, sft 1, rl 2: the x axis of a curve over the stages)."""
     data_dir = stage_dir(cfg, "data")
     rows = held_out_rows(cfg) if cfg.eval.held_out else []
     bench_rows: dict[str, list[dict]] = {}
+    held_keys: dict[str, str] = {}  # checkpoint with a model folder of ours -> its held-out results' key
     # every checkpoint is checked against this config before any work
     paths = {name: checkpoint_path(cfg, name) for name in cfg.eval.checkpoints}
     for name in cfg.eval.checkpoints:
@@ -159,6 +175,8 @@ def run_eval(cfg, stage: Stage, tracker: Tracker) -> None:
         jobs = []
         if cfg.eval.held_out:
             key = f"{held_out_hash(cfg)}-{model_sha}-{len(rows)}"
+            if not isinstance(path, str):
+                held_keys[name] = key
             if _up_to_date(out, key):
                 print(f"eval: {name} already evaluated ({out / 'results.json'}); nothing to do")
             else:
@@ -210,6 +228,8 @@ def run_eval(cfg, stage: Stage, tracker: Tracker) -> None:
             if hasattr(engine, "close"):
                 engine.close()
         tracker.log(logged, list(CheckpointName).index(name))
+    for name, key in held_keys.items():  # (a hub model, base of a hub preset, has no folder of ours)
+        update_card(cfg, name, paths[name], stage.dir / name / "results.json", key)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from recipe.errors import ConfigError
 from recipe.launch.roles import launched, relaunch
 from recipe.model import load_pretrained
-from recipe.runs import Stage
+from recipe.model_card import write_card
+from recipe.runs import Stage, stage_dir
 
 
 @dataclass(frozen=True)
@@ -105,8 +106,8 @@ def run_stage_on_ranks(cfg, argv: list[str], name: str, requires: tuple[str, ...
     """A training stage (`recipe.<name>`) on this machine's ranks. launcher.num_processes > 1 and no launcher yet:
     run again under torchrun (recipe.launch.roles.relaunch). Else join the launcher's ranks, or be the one process:
     rank 0 runs the stage (its lock and markers) with lead(stage, upstream, tell) -> its manifest, where tell(job)
-    hands the other ranks what they train from; each other rank runs follow(job), or nothing when the stage was
-    skipped or refused (they are told None)."""
+    hands the other ranks what they train from, and writes the model folder's card before marking the stage done;
+    each other rank runs follow(job), or nothing when the stage was skipped or refused (they are told None)."""
     if cfg.launcher.num_processes > 1 and not launched():
         return relaunch(cfg, name, requires, f"recipe.{name}", argv, threads)
     world = init_world(cfg.launcher.collective_timeout_s, cpu=cpu)
@@ -119,8 +120,14 @@ def run_stage_on_ranks(cfg, argv: list[str], name: str, requires: tuple[str, ...
                 world.broadcast(job)
                 told = True
 
+            def card(manifest: dict) -> None:
+                folder = stage_dir(cfg, name) / "model"  # where the stages export it and eval finds it
+                if folder.is_dir():  # (a test's stand-in stage may export none: no card makes one up)
+                    write_card(cfg, name, folder, manifest)
+
             try:
-                Stage(cfg, name).run(lambda stage, upstream: lead(stage, upstream, tell, world), requires=requires)
+                Stage(cfg, name).run(lambda stage, upstream: lead(stage, upstream, tell, world), requires=requires,
+                                     before_done=card)
             finally:
                 if not told:  # skipped (already done) or refused: nothing for the other ranks to do
                     world.broadcast(None)
