@@ -326,3 +326,26 @@ def test_group_by_length_and_packing_exclude_each_other():
 
     with pytest.raises(ConfigError, match="sft.group_by_length and sft.packing exclude each other"):
         load_config(["sft.packing=true", "sft.group_by_length=true"])
+
+
+def test_packed_rows_keep_apart_under_sdpa(tiny):
+    """Rows packed into one sequence with their own position ids (TRL's padding-free packing) see only themselves
+    under sdpa on CPU: transformers builds a block-diagonal mask from the position ids (masking_utils) when no KV
+    cache is made, as in training (use_cache off), so packing is an option for the tiny SFT too. Without the
+    position ids the second row would attend to the first."""
+    import torch
+
+    from recipe.model import build_tiny_model
+
+    cfg, tok, _ = tiny
+    model = build_tiny_model(cfg.model.tiny, tok).eval()
+    a, b = torch.randint(5, len(tok), (1, 30)), torch.randint(5, len(tok), (1, 50))
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=a, use_cache=False).logits, model(input_ids=b, use_cache=False).logits],
+                          dim=1)
+        ids = torch.cat([a, b], dim=1)
+        positions = torch.cat([torch.arange(30), torch.arange(50)])[None]
+        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        unpacked = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(packed, alone, atol=1e-4, rtol=0)
+    assert (unpacked[:, 30:] - alone[:, 30:]).abs().max() > 1e-2
