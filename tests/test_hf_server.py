@@ -422,7 +422,7 @@ def test_rl_starts_its_server_on_the_cores_the_pinned_trainer_leaves(served, mon
                         hf_server_command(path, cfg, host=host, port=port))
     seen = {}
 
-    def engine_only(cfg, stage, start_model, world):  # run_rl's pinning around the engine's start, no training
+    def engine_only(cfg, stage, start_model, world, tracker):  # run_rl's pinning around the engine, no training
         engine = loop.make_engine(cfg, start_model, version=0, log_dir=stage)
         try:
             seen["trainer"] = os.sched_getaffinity(0)
