@@ -232,6 +232,10 @@ class TrainConfig:
     # batches of rows of about equal length (recipe.sft.length_grouped_order): a random batch of the tiny chat rows
     # is about a third padding, a grouped one about 1%
     group_by_length: bool = False
+    # rows laid end to end in one sequence, each with its own positions (recipe.sft.PackedBatchCollator): a step
+    # trains the same rows as padded batches (1) with about 2% padding at 4; a rank's share of the batch must
+    # divide by it
+    rows_per_sequence: int = 1
     save_steps: int = 100
     save_total_limit: int = 2
     logging_steps: int = 10
@@ -509,7 +513,7 @@ RANGES: dict[str, Range] = {
         "max_steps": AT_LEAST_1, "batch_size": AT_LEAST_1, "grad_accum": AT_LEAST_1, "lr": POSITIVE,
         "weight_decay": AT_LEAST_0, "warmup_ratio": SHARE, "max_length": AT_LEAST_1, "save_steps": AT_LEAST_1,
         "save_total_limit": AT_LEAST_1, "logging_steps": AT_LEAST_1, "threads": AT_LEAST_1,
-        "seed": AT_LEAST_0}.items()},
+        "rows_per_sequence": AT_LEAST_1, "seed": AT_LEAST_0}.items()},
     # rl
     "rl.max_steps": AT_LEAST_1,
     "rl.batch_size": AT_LEAST_1,
@@ -736,6 +740,10 @@ def validate(cfg) -> None:
     for key in ("base", "sft"):
         if cfg[key].group_by_length and cfg[key].packing:
             _fail(f"{key}.group_by_length and {key}.packing exclude each other: packed rows have no padding to save")
+        rows = cfg[key].rows_per_sequence
+        if rows > 1 and (cfg[key].packing or cfg[key].group_by_length):
+            _fail(f"{key}.rows_per_sequence={rows} packs each batch itself: it excludes {key}.packing and "
+                  f"{key}.group_by_length")
     _check_pass_rate_filter(cfg.data)
     m = cfg.model
     if m.params_total_b is not None and m.params_active_b is not None and m.params_active_b > m.params_total_b:

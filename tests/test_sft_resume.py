@@ -22,12 +22,12 @@ ARCH = TinyArch(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_a
                 num_experts_per_tok=2, max_position_embeddings=64)
 
 
-def train_cfg(max_steps, save_steps=K, group_by_length=False):
+def train_cfg(max_steps, save_steps=K, group_by_length=False, rows_per_sequence=1):
     # a constant LR without warmup: a run to K then resumed to 2K follows the schedule of one run to 2K, as a run
     # to 2K killed after its checkpoint at K does (the cosine schedule and warmup depend on max_steps)
     return TrainConfig(max_steps=max_steps, batch_size=4, lr=1e-2, warmup_ratio=0.0, scheduler="constant",
                        max_length=32, save_steps=save_steps, save_total_limit=3, logging_steps=1, threads=1,
-                       group_by_length=group_by_length)
+                       group_by_length=group_by_length, rows_per_sequence=rows_per_sequence)
 
 
 @pytest.fixture(scope="module")
@@ -35,10 +35,10 @@ def tok():
     return build_tokenizer(TEXTS, 300)
 
 
-def train(tok, stage_dir, max_steps, seed=0, save_steps=K, model=None, group_by_length=False):
+def train(tok, stage_dir, max_steps, seed=0, save_steps=K, model=None, group_by_length=False, rows_per_sequence=1):
     model = model or build_tiny_model(ARCH, tok, seed=seed)
-    train_supervised(model, tok, Dataset.from_dict({"text": TEXTS}), train_cfg(max_steps, save_steps, group_by_length),
-                     stage_dir, use_cpu=True)
+    train_supervised(model, tok, Dataset.from_dict({"text": TEXTS}),
+                     train_cfg(max_steps, save_steps, group_by_length, rows_per_sequence), stage_dir, use_cpu=True)
     return model
 
 
@@ -47,13 +47,17 @@ def metrics(stage_dir):
     return {r["step"]: r for r in rows if "loss" in r}  # the end-of-train summary line has no loss
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["random", "group_by_length"])
+BATCHES = {"random": {}, "group_by_length": {"group_by_length": True}, "packed": {"rows_per_sequence": 2}}
+
+
+@pytest.fixture(scope="module", params=list(BATCHES))
 def runs(tok, tmp_path_factory, request):
     root = tmp_path_factory.mktemp("resume")
-    whole = train(tok, root / "whole", 2 * K, group_by_length=request.param)
-    train(tok, root / "cut", K, group_by_length=request.param)
+    how = BATCHES[request.param]
+    whole = train(tok, root / "whole", 2 * K, **how)
+    train(tok, root / "cut", K, **how)
     # `make` after a kill: a fresh process builds the model again and finds checkpoint-K in the same folder
-    resumed = train(tok, root / "cut", 2 * K, group_by_length=request.param)
+    resumed = train(tok, root / "cut", 2 * K, **how)
     return {"root": root, "whole": whole, "resumed": resumed,
             "whole_metrics": metrics(root / "whole"), "cut_metrics": metrics(root / "cut")}
 
@@ -73,6 +77,20 @@ def test_the_token_counter_continues_across_a_resume(runs):
     whole, cut = runs["whole_metrics"], runs["cut_metrics"]
     assert [cut[s]["num_tokens"] for s in cut] == [whole[s]["num_tokens"] for s in whole]
     assert cut[K + 1]["num_tokens"] > cut[K]["num_tokens"]
+
+
+def test_packed_batches_follow_padded_ones(tok, tmp_path):
+    """rows_per_sequence=2: the same rows a step, two to a sequence. The loss of every step and the token count are
+    the padded run's (the same label tokens, each row seeing only itself), and the padding no more."""
+    padded = train(tok, tmp_path / "padded", 2 * K)
+    packed = train(tok, tmp_path / "packed", 2 * K, rows_per_sequence=2)
+    a, b = metrics(tmp_path / "padded"), metrics(tmp_path / "packed")
+    assert [a[s]["num_tokens"] for s in a] == [b[s]["num_tokens"] for s in b]
+    for s in a:
+        assert b[s]["loss"] == pytest.approx(a[s]["loss"], rel=1e-4), s
+        assert b[s]["padding"] <= a[s]["padding"]
+    for k, t in padded.state_dict().items():
+        torch.testing.assert_close(packed.state_dict()[k], t, atol=1e-4, rtol=0, msg=lambda m: f"{k}: {m}")
 
 
 class Loaded(Exception):
