@@ -236,6 +236,7 @@ class TrainConfig:
     # trains the same rows as padded batches (1) with about 2% padding at 4; a rank's share of the batch must
     # divide by it
     rows_per_sequence: int = 1
+    bench_steps: int = 40  # steps of each run of `make bench-sft` (sft only)
     save_steps: int = 100
     save_total_limit: int = 2
     logging_steps: int = 10
@@ -513,7 +514,7 @@ RANGES: dict[str, Range] = {
         "max_steps": AT_LEAST_1, "batch_size": AT_LEAST_1, "grad_accum": AT_LEAST_1, "lr": POSITIVE,
         "weight_decay": AT_LEAST_0, "warmup_ratio": SHARE, "max_length": AT_LEAST_1, "save_steps": AT_LEAST_1,
         "save_total_limit": AT_LEAST_1, "logging_steps": AT_LEAST_1, "threads": AT_LEAST_1,
-        "rows_per_sequence": AT_LEAST_1, "seed": AT_LEAST_0}.items()},
+        "rows_per_sequence": AT_LEAST_1, "bench_steps": AT_LEAST_1, "seed": AT_LEAST_0}.items()},
     # rl
     "rl.max_steps": AT_LEAST_1,
     "rl.batch_size": AT_LEAST_1,
@@ -910,6 +911,11 @@ def config_hash(cfg, keys: List[str] | None = None) -> str:
     if isinstance(data.get("model"), dict):
         data["model"].pop("arch", None)  # read by the launcher's plan alone: no stage's output depends on it
     drop_unset_top_k(data.get("eval"))
+    for key in ("base", "sft"):
+        if isinstance(data.get(key), dict):
+            data[key].pop("bench_steps", None)  # read by `make bench-sft` alone
+            if data[key].get("rows_per_sequence") == 1:
+                data[key].pop("rows_per_sequence")  # one row a sequence, as before the field: the hash stays
     if keys is not None:
         data = {k: data[k] for k in keys}
     blob = json.dumps(data, sort_keys=True).encode()

@@ -92,6 +92,31 @@ def bench_section(cfg) -> str:
     return "".join(out)
 
 
+def sft_bench_section(cfg) -> str:
+    b = _bench_json(cfg, "sft")
+    if b is None:
+        return "_No SFT benchmark yet: run `make bench-sft`._\n"
+    prov, arms = b["provenance"], b["arms"]
+    loads = ", ".join(f"{r['load_avg_1m_at_start']:.1f}" for r in b["runs"])
+    out = [f"Reproduce: `{b['command']}`. The preset's SFT from the base model, {b['steps']} steps of "
+           f"{b['batch_size']} random rows (the same rows in both arms), run {', '.join(b['order'])} in turn; each "
+           "arm's figures are the mean of its runs. Tokens/s: trained tokens a step (padding left out) over the "
+           "median step time (the first step left out). Packed: each batch's rows laid end to end, "
+           f"{arms['packed']['rows_per_sequence']} to a sequence, positions restarting at each row "
+           "(recipe.sft.PackedBatchCollator). Commit "
+           f"{_commit(prov)}, {prov['hardware']['cpus']} CPUs, load "
+           f"{loads} at the runs' starts.\n\n",
+           "| batches | rows a sequence | padding | tokens/s | s a step | vs padded |\n", "|---|---|---|---|---|---|\n"]
+    for arm in ("padded", "packed"):
+        r = arms[arm]
+        ratio = r["tokens_per_s"] / arms["padded"]["tokens_per_s"]
+        out.append(f"| {arm} | {r['rows_per_sequence']} | {r['padding']:.1%} | {r['tokens_per_s']:.0f} | "
+                   f"{r['step_s']:.3f} | x{ratio:.2f} |\n")
+    out.append(f"\nThe loss logged at each of the {b['steps']} steps differs between the arms' first runs by at most "
+               f"{b['max_loss_difference']:.2g} (float rounding: the same rows and label tokens).\n")
+    return "".join(out)
+
+
 def _se(record: dict, key: str) -> str:
     return f" ± {record[key]:.3f}" if key in record else ""
 
@@ -365,6 +390,7 @@ def write_report(cfg) -> Path:
         parts.append(f"\n![learning curves]({png.relative_to(root)})\n")
     parts += ["\n### Eval during RL\n\n", eval_during_rl_section(cfg, root, rl)]
     parts += ["\n## Paper benchmarks\n\n", paper_section(cfg)]
+    parts += ["\n## Performance: SFT batches, padded against packed\n\n", sft_bench_section(cfg)]
     parts += ["\n## Performance: asynchronous against synchronous RL\n\n", bench_section(cfg)]
     parts += ["\n## Performance: code sandbox throughput\n\n", sandbox_section(cfg)]
     parts += ["\n## Memory over a long RL run\n\n", soak_section(cfg)]

@@ -151,6 +151,7 @@ def _rl_loop(cfg, stage_dir, start_model, world: World, tracker: Tracker):
                 t2 = time.perf_counter()
                 step += 1
                 publish(step)
+                t_published = time.perf_counter()
                 release_free_memory()  # the step's activations: RSS stays flat over a long run (make soak)
                 if step % rl.checkpoint_every == 0 or step == rl.max_steps or world.any(STOP.requested):
                     checkpoint()
@@ -164,6 +165,8 @@ def _rl_loop(cfg, stage_dir, start_model, world: World, tracker: Tracker):
                     record = {"step": step, **gen_stats, **train_stats, **evaluated,
                               "completion_len_mean": sum(lens) / len(lens), "completion_len_max": max(lens),
                               "gen_wait_s": t1 - t0, "train_s": t2 - t1, "step_s": t3 - t0,  # (the eval apart)
+                              # the rest of the step: weights to the engine, then the checkpoint when one is due
+                              "publish_s": t_published - t2, "checkpoint_s": t3 - t_published,
                               "samples_per_s": len(samples) / (t3 - t0),
                               "elapsed_s": time.perf_counter() - t_start}
                     metrics.log(record)  # after the checkpoint, so a resumed run never logs a step twice

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -37,11 +38,17 @@ class MetricsCallback(TrainerCallback):
 
     def __init__(self, metrics: MetricsLog):
         self.metrics = metrics
+        self.started = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.started = time.perf_counter()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and state.is_world_process_zero:
-            self.metrics.log({"step": state.global_step, **{k: v for k, v in logs.items()
-                                                             if isinstance(v, (int, float))}})
+            # seconds since this process began training (a resumed run starts again from 0): step times
+            elapsed = {"elapsed_s": time.perf_counter() - self.started} if self.started is not None else {}
+            self.metrics.log({"step": state.global_step, **elapsed, **{k: v for k, v in logs.items()
+                                                                        if isinstance(v, (int, float))}})
 
 
 def checkpoint_problem(ckpt: Path) -> str | None:

@@ -1,0 +1,96 @@
+"""`make bench-sft`: padded SFT batches against packed ones (sft.rows_per_sequence), on the same rows.
+
+Both arms train the preset's SFT from the same base model on the same random batches (same seed) for
+sft.bench_steps steps: arm `padded` one row a sequence, arm `packed` sft.rows_per_sequence rows a sequence. They run
+in turn, padded-packed-padded-packed, so that a change of the machine's load over the bench falls on both; each
+arm's figures are the mean of its two runs. Reported: the padding share of the batches, trained (non-padding)
+tokens per second (the mean tokens a step over the median step time, the first step left out), seconds a step, and the largest difference of the logged loss between the arms (the same rows
+and label tokens: the loss should agree up to float rounding). Results go to runs/<preset>/bench/sft.json and
+into RESULTS.md.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+
+import torch
+from omegaconf import OmegaConf
+
+from recipe.data.schema import read_split
+from recipe.errors import ConfigError
+from recipe.eval.report import write_report
+from recipe.model import load_pretrained
+from recipe.runs import provenance, require_done, stage_dir, stage_main, write_atomic
+from recipe.sft import chat_dataset, train_supervised
+
+ORDER = ("padded", "packed", "padded", "packed")
+
+
+def bench_run(cfg, rows_per_sequence: int, dataset, base: str, out_dir) -> dict:
+    """One SFT run of sft.bench_steps steps from the base model; no checkpoint before the end."""
+    train_cfg = OmegaConf.merge(cfg.sft, {"max_steps": cfg.sft.bench_steps, "rows_per_sequence": rows_per_sequence,
+                                          "save_steps": cfg.sft.bench_steps + 1, "logging_steps": 1})
+    shutil.rmtree(out_dir, ignore_errors=True)
+    model, tokenizer = load_pretrained(base, cfg.model.revision, cfg.model.dtype, cfg.model.attn_implementation)
+    load = os.getloadavg()[0]
+    train_supervised(model, tokenizer, dataset, train_cfg, out_dir, use_cpu=not torch.cuda.is_available())
+    records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    # the median step, the first left out (warm-up): a burst of load from elsewhere moves a median little
+    times = sorted(b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steps, steps[1:]))
+    step_s = times[len(times) // 2] if len(times) % 2 else (times[len(times) // 2 - 1] + times[len(times) // 2]) / 2
+    tokens = steps[-1]["num_tokens"]
+    return {"rows_per_sequence": rows_per_sequence, "steps": len(steps), "step_s": step_s,
+            "seconds": steps[-1]["elapsed_s"], "tokens": tokens, "tokens_per_s": tokens / len(steps) / step_s,
+            "padding": sum(r["padding"] for r in steps) / len(steps), "loss": [r["loss"] for r in steps],
+            "load_avg_1m_at_start": load}
+
+
+def mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+@stage_main
+def main(cfg):
+    packed_rows = cfg.sft.rows_per_sequence
+    if packed_rows < 2:
+        raise ConfigError(f"config error: make bench-sft compares padded batches with sft.rows_per_sequence rows a "
+                          f"sequence; it is {packed_rows} in preset {cfg.preset}: pass e.g. ARGS=\"sft.rows_per_sequence=4\"")
+    base = cfg.model.hub_id or str(require_done(cfg, "base") / "model")
+    _, tokenizer = load_pretrained(base, cfg.model.revision, cfg.model.dtype, cfg.model.attn_implementation)
+    dataset = chat_dataset(read_split(require_done(cfg, "data"), "sft"), tokenizer)
+    bench_dir = stage_dir(cfg, "bench")
+    started = time.time()
+    runs = []
+    for i, arm in enumerate(ORDER):
+        run = bench_run(cfg, 1 if arm == "padded" else packed_rows, dataset, base, bench_dir / f"sft_{i}_{arm}")
+        runs.append({"arm": arm, **run})
+        print(f"bench-sft: run {i + 1}/{len(ORDER)} {arm}: {run['tokens_per_s']:.0f} tokens/s, "
+              f"padding {run['padding']:.1%}, {run['step_s']:.3f} s a step")
+    arms = {}
+    for arm in ("padded", "packed"):
+        mine = [r for r in runs if r["arm"] == arm]
+        arms[arm] = {"rows_per_sequence": mine[0]["rows_per_sequence"], "runs": len(mine),
+                     "tokens_per_s": mean(r["tokens_per_s"] for r in mine), "step_s": mean(r["step_s"] for r in mine),
+                     "padding": mean(r["padding"] for r in mine), "tokens": mine[0]["tokens"]}
+    a, b = runs[0]["loss"], runs[1]["loss"]
+    out = {"steps": cfg.sft.bench_steps, "batch_size": cfg.sft.batch_size, "order": list(ORDER), "runs": runs,
+           "arms": arms, "speedup": arms["packed"]["tokens_per_s"] / arms["padded"]["tokens_per_s"],
+           "max_loss_difference": max(abs(x - y) for x, y in zip(a, b)),
+           "load_avg_1m_at_end": os.getloadavg()[0]}
+    print(f"bench-sft: packed {arms['packed']['tokens_per_s']:.0f} tokens/s at {arms['packed']['padding']:.1%} padding, "
+          f"padded {arms['padded']['tokens_per_s']:.0f} tokens/s at {arms['padded']['padding']:.1%}: "
+          f"x{out['speedup']:.2f}; the loss of the two arms differs by at most {out['max_loss_difference']:.2g}")
+    overrides = " ".join(a for a in sys.argv[1:] if not a.startswith(("preset=", "run_root=")))
+    out["command"] = f"make bench-sft PRESET={cfg.preset}" + (f' ARGS="{overrides}"' if overrides else "")
+    out["provenance"] = provenance(cfg, "bench-sft", "", started, inputs={}, outputs={})
+    write_atomic(bench_dir / "sft.json", json.dumps(out, indent=2, sort_keys=True))
+    write_report(cfg)
+
+
+if __name__ == "__main__":
+    main()
