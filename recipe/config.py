@@ -425,6 +425,14 @@ class LauncherConfig:
     # (prime-rl's --model.dp-replicate); 1: plain full sharding over every rank
     hsdp_replicas: int = 1
     master_port: int = 29500  # the trainer ranks' rendezvous on the first trainer node (SLURM)
+    # the eval job (`make plan`: eval.sbatch): its nodes, one vLLM server a node (TP launcher.inference_tp, data
+    # parallel over the node's other GPUs), the eval client on the first; the plan's hours divide by
+    # eval_server_tokens_per_s (completion tokens a second of one server, all its requests together) and take the
+    # mean completion as eval_completion_share of max_new_tokens where no results.json of the preset measured it.
+    # null: no hours, no expected tokens
+    eval_nodes: int = 1
+    eval_server_tokens_per_s: Optional[float] = None
+    eval_completion_share: Optional[float] = None
 
 
 @dataclass
@@ -604,6 +612,9 @@ RANGES: dict[str, Range] = {
     "launcher.num_processes": AT_LEAST_1,
     "launcher.collective_timeout_s": AT_LEAST_1,
     "launcher.hsdp_replicas": AT_LEAST_1,
+    "launcher.eval_nodes": AT_LEAST_1,
+    "launcher.eval_server_tokens_per_s": POSITIVE,
+    "launcher.eval_completion_share": SHARE_OPEN,
     "launcher.master_port": AT_LEAST_1,
     "rl.judge.data_parallel": AT_LEAST_1,
     "rl.judge.tensor_parallel": AT_LEAST_1,
