@@ -4,6 +4,7 @@ shares; and that script itself, run to the end under the srun/scontrol stand-ins
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -89,6 +90,8 @@ def test_tokens_and_hours_follow_each_benchmarks_k_and_the_servers(tmp_path):
     aime = next(r for r in one["benchmarks"] if r["name"] == "aime24")
     assert f"AIME24: avg@64 x 30 problems = {30 * 64} samples, up to {aime['in_flight']} requests in flight" in text
     assert "(assumed: launcher.eval_server_tokens_per_s)" in text
+    total = sum(r["samples"] for r in one["benchmarks"])
+    assert f"all benchmarks, per model: {total:,} samples, tokens at most" in text
     no_tps = intellect3(tmp_path, "launcher.eval_server_tokens_per_s=null")
     assert all(r["hours_max"] is None and r["tokens_max"] is not None for r in eval_plan(no_tps)["benchmarks"])
     assert describe_eval(no_tps, eval_plan(no_tps))[1] == ("  per model, each benchmark at its k; no hours: "
@@ -165,3 +168,18 @@ def test_the_eval_sbatch_runs_to_the_end_under_srun_standins(tmp_path):
     assert [s["nodes"] for s in steps] == [[NODES[0]]]
     assert steps[0]["command"][-2:] == ["--revision", REVISION]  # the server reads the hub model at its commit
     assert (tmp_path / "runs" / "RESULTS.md").exists()
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make not installed")
+def test_make_paper_table_evaluates_the_released_models_on_the_benchmarks_only():
+    res = subprocess.run(["make", "-n", "paper-table"], capture_output=True, text=True, cwd=REPO)
+    assert res.returncode == 0
+    line = next(ln for ln in res.stdout.splitlines() if "-m recipe.eval " in ln)
+    overrides = line.split("-m recipe.eval ", 1)[1].split()
+    assert overrides == ["preset=intellect3", "eval.held_out=false", "eval.checkpoints=[INTELLECT-3,GLM-4.5-Air]"]
+    cfg = load_config(overrides)  # names the preset's released models, each pinned
+    assert list(cfg.eval.checkpoints) == [m.name for m in cfg.eval.released] and cfg.eval.benchmarks
+    more = subprocess.run(["make", "-n", "paper-table", 'ARGS=eval.held_out=true'], capture_output=True, text=True,
+                          cwd=REPO).stdout
+    assert load_config(next(ln for ln in more.splitlines() if "-m recipe.eval " in ln)
+                       .split("-m recipe.eval ", 1)[1].split()).eval.held_out  # ARGS come last and win

@@ -259,7 +259,7 @@ def describe_eval(cfg, ep: dict) -> list[str]:
     tps = (f"hours at {ep['tokens_per_s']:g} completion tokens/s a server (assumed: launcher.eval_server_tokens_per_s)"
            if ep["tokens_per_s"] else "no hours: launcher.eval_server_tokens_per_s is not set")
     lines.append(f"  per model, each benchmark at its k; {tps}; prompts' prefill not counted")
-    total = {"tokens_max": 0.0, "tokens_expected": 0.0, "hours_max": 0.0, "hours_expected": 0.0}
+    total = {"samples": 0, "tokens_max": 0.0, "tokens_expected": 0.0, "hours_max": 0.0, "hours_expected": 0.0}
     for r in ep["benchmarks"]:
         mean = (f"expected {_tokens(r.get('tokens_expected'))} (mean {r['mean_completion']:,.0f} a completion, "
                 f"{r['mean_source']})" if r["mean_completion"] is not None else "expected n/a")
@@ -270,7 +270,8 @@ def describe_eval(cfg, ep: dict) -> list[str]:
                      f"{_hours(r.get('hours_expected'))} expected")
         for key in total:
             total[key] = None if total[key] is None or r.get(key) is None else total[key] + r[key]
-    lines.append(f"  all benchmarks, per model: tokens at most {_tokens(total['tokens_max'])}, expected "
+    samples = "?" if total["samples"] is None else f"{total['samples']:,}"
+    lines.append(f"  all benchmarks, per model: {samples} samples, tokens at most {_tokens(total['tokens_max'])}, expected "
                  f"{_tokens(total['tokens_expected'])}; {_hours(total['hours_max'])} at most, "
                  f"{_hours(total['hours_expected'])} expected" +
                  (f"; x {n} models: {_hours(total['hours_expected'] * n if total['hours_expected'] is not None else None)}"
