@@ -238,6 +238,21 @@ def test_each_model_gets_its_own_folder():
     assert one.startswith("local--model--") and two.startswith("local--model--") and one != two
 
 
+def test_the_weights_digest_is_the_index_of_a_sharded_model_else_its_one_file(tmp_path):
+    import torch
+
+    from recipe.runs import sha256_file
+    from recipe.weights import write_weights
+
+    state = {"a": torch.zeros(64), "b": torch.ones(64)}
+    sharded = write_weights(state, tmp_path / "sharded" / "model.safetensors", max_shard_bytes=300)
+    digest = eval_models.weights_digest(sharded)
+    assert digest == {"index_sha256": sha256_file(sharded / "model.safetensors.index.json")}
+    single = write_weights(state, tmp_path / "single" / "model.safetensors")
+    assert eval_models.weights_digest(single.parent) == {"weights_sha256": sha256_file(single)}
+    assert eval_models.weights_digest(tmp_path / "empty") == {}
+
+
 @pytest.mark.parametrize("override,message", [
     ("eval.released=[{name:sft,hub_id:a/b}]", "eval.released[0].name='sft' must be a folder name"),
     ("eval.released=[{name:A,hub_id:a/b},{name:A,hub_id:c/d}]", "eval.released[1].name='A' is listed twice"),
