@@ -323,3 +323,19 @@ def test_the_paper_table_sets_each_measured_model_beside_its_paper_row_with_stan
     assert lines[-1] == ("| `local--mine--12345678` (measured here: `intellect3` eval/local--mine--12345678, local "
                          "folder) | not run | not run | not run | not run | not run | 10.0 ± 1.0 | not run |")
     assert "| this recipe: `intellect3` rl | not run |" in text  # the run's own rows stay, without a paper mark
+
+
+def test_a_model_evaluated_at_another_k_shows_dashes_in_the_held_out_table(tmp_path):
+    cfg = load_config([f"run_root={tmp_path / 'runs'}"])  # eval.samples 4
+    prov = {"wall_s": 1.0, "config_hash": "c", "git": {"commit": "0" * 40, "dirty": False},
+            "hardware": {"cpus": 2, "machine": "x"}, "packages": {}}
+    for folder, k in (("sft", 4), ("local--old--1234abcd", 2)):
+        stats = {f"avg@{k}": 0.5, "stderr": 0.1, f"pass@{k}": 0.75, "problems": 3}
+        write_atomic(stage_dir(cfg, "eval") / folder / "results.json", json.dumps(
+            {"env": {"math": stats}, "task": {"math/add": stats}, "overall": {"avg": 0.5}, "provenance": prov}))
+    results = report.load_results(cfg)
+    assert list(results) == ["sft", "local--old--1234abcd"]  # the stages first, then the other models
+    table = report.tiny_table(cfg, results)
+    assert "| sft | 0.500 ± 0.100 | 0.750 | 0.500 |" in table
+    assert "| local--old--1234abcd | - | - | - |" in table
+    assert "| math/add | 0.500 / 0.750 | - |" in report.task_table(cfg, results)

@@ -66,12 +66,14 @@ def tiny_table(cfg, results: dict[str, dict]) -> str:
     lines = []
     for name, r in results.items():
         prov = r["provenance"]
-        cells = [f"{r['env'][e][f'avg@{k}']:.3f} ± {r['env'][e]['stderr']:.3f}" if e in r["env"] else "-"
-                 for e in envs]
-        cells += [f"{r['env'][e].get(f'pass@{k}', float('nan')):.3f}" if e in r["env"] else "-" for e in envs]
+        # "-" where a model was evaluated at another k (a folder outside this eval.checkpoints keeps its last run)
+        at_k = {e: v for e, v in r["env"].items() if f"avg@{k}" in v}
+        cells = [f"{at_k[e][f'avg@{k}']:.3f} ± {at_k[e]['stderr']:.3f}" if e in at_k else "-" for e in envs]
+        cells += [f"{at_k[e].get(f'pass@{k}', float('nan')):.3f}" if e in at_k else "-" for e in envs]
         commit = _commit(prov)
+        overall = _num(r["overall"].get("avg")) if at_k else "-"
         lines.append(f"| {name} | " + " | ".join(cells) +
-                     f" | {r['overall']['avg']:.3f} | {prov['wall_s']:.0f} | `{prov['config_hash']}` | {commit} |\n")
+                     f" | {overall} | {prov['wall_s']:.0f} | `{prov['config_hash']}` | {commit} |\n")
     return head + sep + "".join(lines)
 
 
@@ -256,7 +258,7 @@ def task_table(cfg, results: dict[str, dict]) -> str:
            "|---|" + "---|" * len(results) + "\n"]
     for t in tasks:
         cells = [f"{r['task'][t][f'avg@{k}']:.3f} / {r['task'][t].get(f'pass@{k}', float('nan')):.3f}"
-                 if t in r["task"] else "-" for r in results.values()]
+                 if f"avg@{k}" in r["task"].get(t, {}) else "-" for r in results.values()]
         out.append(f"| {t} | " + " | ".join(cells) + " |\n")
     return "".join(out)
 
