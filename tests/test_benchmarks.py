@@ -507,8 +507,9 @@ def test_make_eval_runs_the_configured_benchmarks_and_reports_them(tmp_path, mon
     gpqa = json.loads((out / "gpqa_diamond" / "results.json").read_text())
     assert gpqa["benchmark"]["avg@8"] == 1.0 and gpqa["protocol"]["samples"] == 8 and gpqa["checkpoint"] == "base"
     assert located[0] == ("zai-org/GLM-4.5-Air-Base", load_config(["preset=intellect3"]).model.revision)
-    assert gpqa["model"]["kind"] == "hub" and gpqa["model"]["stage"] == "base" and gpqa["model_sha"] == \
-        f"zai-org/GLM-4.5-Air-Base@{located[0][1]}"  # the key of a hub model: its id and commit, as before
+    model = gpqa["provenance"]["model"]
+    assert model["kind"] == "hub" and model["stage"] == "base"
+    assert gpqa["model_sha"] == f"zai-org/GLM-4.5-Air-Base@{located[0][1]}"  # a hub model's key: id@commit, as before
     proto = gpqa["protocol"]
     assert (proto["temperature"], proto["temperature_source"]) == (0.6, "generation_config.json")
     assert (proto["top_p"], proto["top_p_source"], proto["top_k"], proto["top_k_source"]) == (1.0, "default", -1,

@@ -104,25 +104,28 @@ def test_a_local_folder_and_a_cached_hub_model_run_into_results_and_the_paper_ta
     local = eval_models.folder_name("local", str(tiny_model))
     by_ref = f"hub--org--tiny-glm--{REVISION[:12]}"
     assert sorted(p.name for p in eval_dir.iterdir() if p.is_dir()) == sorted(["INTELLECT-3", local, by_ref])
+    def model(results: dict) -> dict:  # what the results' provenance records about the model evaluated
+        return results["provenance"]["model"]
+
     for folder in ("INTELLECT-3", local, by_ref):
         held = json.loads((eval_dir / folder / "results.json").read_text())
         bench = json.loads((eval_dir / folder / BENCH / "results.json").read_text())
         assert held["env"]["math"]["problems"] == 3 and bench["benchmark"]["problems"] == 2
-        assert held["model"] == bench["model"] and held["model"]["folder"] == folder
+        assert model(held) == model(bench) and model(held)["folder"] == folder
         samples = (eval_dir / folder / BENCH / "samples.jsonl").read_text().splitlines()
         assert len(samples) == 2 * K  # sampled for real: every problem K times
     hub = json.loads((eval_dir / "INTELLECT-3" / BENCH / "results.json").read_text())
-    assert hub["model"]["kind"] == "hub" and hub["model"]["revision"] == REVISION
-    assert hub["model"]["revision_verified"] is False and hub["model"]["paper_row"] == "INTELLECT-3"
+    assert model(hub)["kind"] == "hub" and model(hub)["revision"] == REVISION
+    assert model(hub)["revision_verified"] is False and model(hub)["paper_row"] == "INTELLECT-3"
     assert hub["model_sha"] == f"{HUB_ID}@{REVISION}" and hub["provenance"]["inputs"]["model"] == hub["model_sha"]
     from recipe.runs import sha256_file
 
-    assert hub["model"]["weights_sha256"] == sha256_file(tiny_model / "model.safetensors")
+    assert model(hub)["weights_sha256"] == sha256_file(tiny_model / "model.safetensors")
     folder = json.loads((eval_dir / local / BENCH / "results.json").read_text())
-    assert folder["model"]["kind"] == "local" and folder["model"]["path"] == str(tiny_model.resolve())
-    assert folder["model_sha"] != hub["model_sha"] and folder["model"]["revision"] is None
+    assert model(folder)["kind"] == "local" and model(folder)["path"] == str(tiny_model.resolve())
+    assert folder["model_sha"] != hub["model_sha"] and model(folder)["revision"] is None
     by_hub_ref = json.loads((eval_dir / by_ref / BENCH / "results.json").read_text())
-    assert by_hub_ref["model"]["paper_row"] == "INTELLECT-3" and "revision_verified" not in by_hub_ref["model"]
+    assert model(by_hub_ref)["paper_row"] == "INTELLECT-3" and "revision_verified" not in model(by_hub_ref)
 
     page = (tmp_path / "runs" / "RESULTS.md").read_text()
     lines = page.splitlines()
@@ -296,7 +299,8 @@ def synthetic_result(folder: Path, bench: str, avg: float, stderr: float, proble
     spec = B.REGISTRY[bench]
     write_atomic(folder / bench / "results.json", json.dumps({
         "benchmark": {"problems": problems, f"avg@{spec.samples}": avg, "stderr": stderr},
-        "protocol": {"samples": spec.samples, "expected_problems": spec.expected_problems}, "model": model}))
+        "protocol": {"samples": spec.samples, "expected_problems": spec.expected_problems},
+        "provenance": {"model": model}}))
 
 
 def test_the_paper_table_sets_each_measured_model_beside_its_paper_row_with_standard_errors(tmp_path):

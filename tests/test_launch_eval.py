@@ -161,7 +161,7 @@ def test_the_eval_sbatch_runs_to_the_end_under_srun_standins(tmp_path):
 
     folder = folder_name("hub", entry, HUB_ID, REVISION)
     held = json.loads((stage_dir(cfg, "eval") / folder / "results.json").read_text())
-    assert held["env"]["math"]["problems"] == 4 and held["model"]["revision"] == REVISION
+    assert held["env"]["math"]["problems"] == 4 and held["provenance"]["model"]["revision"] == REVISION
     log = (stage_dir(cfg, "launch") / f"server-{folder}-{NODES[0]}.log").read_text()
     assert f"serving {cache}/models--org--tiny-glm/snapshots/{REVISION}" in log and "serve: stopped" in log
     steps = [json.loads(x) for x in (tmp_path / "srun.jsonl").read_text().splitlines()]

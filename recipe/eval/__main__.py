@@ -226,11 +226,11 @@ def run_eval(cfg, stage: Stage, tracker: Tracker) -> None:
                               f"{b['problems']} problems" + (f", {res['masked_problems']} masked"
                                                              if res.get("masked_problems") else "")
                     label = f"{name} {spec.title}"
-                res.update({"key": key, "checkpoint": entry, "model_sha": model_sha, "model": described})
+                res.update({"key": key, "checkpoint": entry, "model_sha": model_sha})
                 where = f"eval/{name}" + (f"/{spec.name}" if spec else "")
                 res["provenance"] = provenance(cfg, where, config_hash(cfg, STAGE_KEYS["eval"]), started,
                                                inputs=inputs, outputs={"samples": res_path.parent / "samples.jsonl"},
-                                               extra={"upstream": upstream})
+                                               extra={"upstream": upstream, "model": described})
                 write_atomic(res_path, json.dumps(res, indent=2, sort_keys=True))
                 print(f"eval: {label}: {summary}")
                 logged.update(scores(spec, res))

@@ -12,9 +12,9 @@ offline (HF_HUB_OFFLINE=1) in the cache alone, online by asking the hub to confi
 cannot be reached) and fetching the small files (config, tokenizer, generation_config.json, the weights' index).
 Its weights are fetched only when there is something to evaluate; offline, every file the index names must be in
 the cache. A hub model's key is its id and commit, which name its bytes; a folder's is the sha256 of its files
-(recipe.runs.sha256_tree). Each results.json records `model` (describe): the entry, the kind, the hub id, the
-revision and whether a primary source confirms it, and the sha256 of the weights' index (or of the one weights
-file) where the folder has one.
+(recipe.runs.sha256_tree). Each results.json records the model in its provenance, `provenance.model`
+(describe): the entry, the kind, the hub id, the revision and whether a primary source confirms it, and the
+sha256 of the weights' index (or of the one weights file) where the folder has one.
 """
 from __future__ import annotations
 

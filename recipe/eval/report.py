@@ -174,11 +174,12 @@ def _temperature(cfg) -> str:
 
 
 def model_record(folder: Path) -> dict | None:
-    """What a results.json of the folder records about the model it evaluated (recipe.eval.models.describe): a
-    benchmark's, else the held-out suite's; None when no result has it (written before models were recorded)."""
+    """What a results.json of the folder records about the model it evaluated (its provenance's `model`,
+    recipe.eval.models.describe): a benchmark's, else the held-out suite's; None when no result has it (written
+    before models were recorded)."""
     for path in [folder / n / "results.json" for n in PAPER_ORDER] + [folder / "results.json"]:
         if path.exists():
-            model = read_json(path).get("model")
+            model = (read_json(path).get("provenance") or {}).get("model")
             if isinstance(model, dict):
                 return model
     return None

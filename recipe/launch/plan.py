@@ -271,11 +271,11 @@ def describe_eval(cfg, ep: dict) -> list[str]:
         for key in total:
             total[key] = None if total[key] is None or r.get(key) is None else total[key] + r[key]
     samples = "?" if total["samples"] is None else f"{total['samples']:,}"
-    lines.append(f"  all benchmarks, per model: {samples} samples, tokens at most {_tokens(total['tokens_max'])}, expected "
-                 f"{_tokens(total['tokens_expected'])}; {_hours(total['hours_max'])} at most, "
-                 f"{_hours(total['hours_expected'])} expected" +
-                 (f"; x {n} models: {_hours(total['hours_expected'] * n if total['hours_expected'] is not None else None)}"
-                  f" expected" if n > 1 else ""))
+    all_models = None if total["hours_expected"] is None else total["hours_expected"] * n
+    lines.append(f"  all benchmarks, per model: {samples} samples, tokens at most {_tokens(total['tokens_max'])}, "
+                 f"expected {_tokens(total['tokens_expected'])}; {_hours(total['hours_max'])} at most, "
+                 f"{_hours(total['hours_expected'])} expected"
+                 + (f"; x {n} models: {_hours(all_models)} expected" if n > 1 else ""))
     return lines
 
 
