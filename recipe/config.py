@@ -104,10 +104,16 @@ class ReportTo(StrEnum):
 
 
 class CheckpointName(StrEnum):
-    """The stages whose model eval can load."""
+    """The stages whose model eval can load (eval.checkpoints takes other models too: recipe.eval.models)."""
     base = "base"
     sft = "sft"
     rl = "rl"
+
+
+HUB_PREFIX = "hub:"  # eval.checkpoints entry of a hub model: hub:<org>/<name>@<40-hex commit>
+FULL_REVISION = re.compile(r"^[0-9a-f]{40}$")  # a hub repository's commit id: the only pin that cannot move
+HUB_REPO = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")  # a name that is also a results folder
 
 
 @dataclass
@@ -359,10 +365,27 @@ class BenchmarkConfig:
 
 
 @dataclass
+class ReleasedModel:
+    """A published model of the paper's table (the `intellect3` preset lists INTELLECT-3 and GLM-4.5-Air), for
+    eval.checkpoints to name by `name`: its results folder, and the paper's row its scores are set beside."""
+
+    name: str = ""  # as the paper's table names it (recipe.eval.report.PAPER_SCORES)
+    hub_id: str = ""
+    revision: Optional[str] = None  # a 40-hex commit of the hub repository
+    # whether a primary source (the model's publisher, the paper, its code) names this revision as the one the
+    # paper evaluated; false: a public pin from elsewhere. Either way the eval runs the revision and records
+    # this flag and the source beside its scores, and RESULTS.md marks the row.
+    revision_verified: bool = False
+    revision_source: str = ""
+
+
+@dataclass
 class EvalConfig:
     engine: EngineKind = EngineKind.hf
-    checkpoints: List[CheckpointName] = field(
-        default_factory=lambda: [CheckpointName.base, CheckpointName.sft, CheckpointName.rl])
+    # the models to evaluate: base, sft, rl (this run's stages), a name of eval.released, hub:<org>/<name>@<commit>
+    # (a hub model at a pinned revision) or a local model folder (a path with a /); recipe/eval/models.py
+    checkpoints: List[str] = field(default_factory=lambda: ["base", "sft", "rl"])
+    released: List[ReleasedModel] = field(default_factory=list)
     samples: int = 4  # k of avg@k
     pass_k: List[int] = field(default_factory=lambda: [1, 4])
     # sampling; null: the model folder's generation_config.json, else vLLM's neutral default (temperature and
@@ -407,6 +430,14 @@ class LauncherConfig:
     # (prime-rl's --model.dp-replicate); 1: plain full sharding over every rank
     hsdp_replicas: int = 1
     master_port: int = 29500  # the trainer ranks' rendezvous on the first trainer node (SLURM)
+    # the eval job (`make plan`: eval.sbatch): its nodes, one vLLM server a node (TP launcher.inference_tp, data
+    # parallel over the node's other GPUs), the eval client on the first; the plan's hours divide by
+    # eval_server_tokens_per_s (completion tokens a second of one server, all its requests together) and take the
+    # mean completion as eval_completion_share of max_new_tokens where no results.json of the preset measured it.
+    # null: no hours, no expected tokens
+    eval_nodes: int = 1
+    eval_server_tokens_per_s: Optional[float] = None
+    eval_completion_share: Optional[float] = None
 
 
 @dataclass
@@ -586,6 +617,9 @@ RANGES: dict[str, Range] = {
     "launcher.num_processes": AT_LEAST_1,
     "launcher.collective_timeout_s": AT_LEAST_1,
     "launcher.hsdp_replicas": AT_LEAST_1,
+    "launcher.eval_nodes": AT_LEAST_1,
+    "launcher.eval_server_tokens_per_s": POSITIVE,
+    "launcher.eval_completion_share": SHARE_OPEN,
     "launcher.master_port": AT_LEAST_1,
     "rl.judge.data_parallel": AT_LEAST_1,
     "rl.judge.tensor_parallel": AT_LEAST_1,
@@ -746,6 +780,7 @@ def validate(cfg) -> None:
             _fail(f"{key}.rows_per_sequence={rows} packs each batch itself: it excludes {key}.packing and "
                   f"{key}.group_by_length")
     _check_pass_rate_filter(cfg.data)
+    _check_eval_models(cfg.eval)
     m = cfg.model
     if m.params_total_b is not None and m.params_active_b is not None and m.params_active_b > m.params_total_b:
         _fail(f"model.params_active_b ({m.params_active_b}) must be <= model.params_total_b ({m.params_total_b})")
@@ -787,6 +822,63 @@ def _check_pass_rate_filter(data) -> None:
     if unknown:
         _fail(f"data.max_pass_rate names {unknown}, not among the RL subsets data.rl_dataset.subsets "
               f"({list(data.rl_dataset.subsets)}){_suggest(unknown[0], data.rl_dataset.subsets)}")
+
+
+def checkpoint_entry(entry: str, released_names) -> tuple[str, str | None, str | None]:
+    """(kind, hub id, revision) of one eval.checkpoints entry: kind `stage` (base, sft, rl), `released` (a name
+    of eval.released), `hub` (hub:<org>/<name>@<commit>) or `local` (a path with a /: a model folder, looked for
+    when the eval starts). A ValueError says what is wrong with anything else."""
+    if entry in CheckpointName.__members__:
+        return "stage", None, None
+    if entry in released_names:
+        return "released", None, None
+    if entry.startswith(HUB_PREFIX):
+        ref = entry[len(HUB_PREFIX):]
+        repo, at, revision = ref.partition("@")
+        if not HUB_REPO.match(repo):
+            raise ValueError(f"'{repo}' is not a hub repository id (<org>/<name>)")
+        if not at or not revision:
+            raise ValueError(f"hub model {repo} has no revision: every hub reference is pinned, "
+                             f"hub:{repo}@<40-hex commit>")
+        if not FULL_REVISION.match(revision):
+            raise ValueError(f"revision '{revision}' of {repo} is not a full commit id (40 hex digits): a branch or "
+                             f"tag can move")
+        return "hub", repo, revision
+    if "/" in entry or entry.startswith((".", "~")):
+        return "local", None, None
+    known = ", ".join(released_names) or "none in this preset"
+    raise ValueError(f"is not a checkpoint: base, sft, rl, a released model of eval.released ({known}), "
+                     f"hub:<org>/<name>@<40-hex commit> or a model folder (a path with a /)")
+
+
+def _check_eval_models(ev) -> None:
+    """eval.released: names that are results folders, pinned hub ids; eval.checkpoints: entries of a known kind,
+    each once (a hub reference without its revision is refused here, before any work)."""
+    names = []
+    for i, m in enumerate(ev.released):
+        key = f"eval.released[{i}]"
+        if not SAFE_NAME.match(m.name) or m.name in CheckpointName.__members__:
+            _fail(f"{key}.name={m.name!r} must be a folder name (letters, digits, . _ -) other than base, sft, rl")
+        if m.name in names:
+            _fail(f"{key}.name={m.name!r} is listed twice")
+        names.append(m.name)
+        if not HUB_REPO.match(m.hub_id):
+            _fail(f"{key}.hub_id={m.hub_id!r} is not a hub repository id (<org>/<name>)")
+        if m.revision is not None and not FULL_REVISION.match(m.revision):
+            _fail(f"{key}.revision={m.revision!r} of {m.hub_id} is not a full commit id (40 hex digits)")
+    seen = set()
+    for i, entry in enumerate(ev.checkpoints):
+        key = f"eval.checkpoints[{i}]={entry!r}"
+        try:
+            kind, _, _ = checkpoint_entry(entry, names)
+        except ValueError as e:
+            _fail(f"{key} {e}" if str(e).startswith("is not") else f"{key}: {e}")
+        if kind == "released" and ev.released[names.index(entry)].revision is None:
+            _fail(f"{key}: eval.released names {ev.released[names.index(entry)].hub_id} without a revision; pin it "
+                  f"(eval.released[{names.index(entry)}].revision) or write hub:<org>/<name>@<40-hex commit>")
+        if entry in seen:
+            _fail(f"{key} is listed twice")
+        seen.add(entry)
 
 
 def _check_arch(arch, key: str) -> None:

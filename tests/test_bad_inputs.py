@@ -458,8 +458,17 @@ CASES = [
                                     "[float32, float16, bfloat16]"),
     config_case("sft.scheduler=cosin", "error: config error: sft.scheduler=cosin: Invalid value 'cosin', expected "
                                        "one of [linear, cosine, …]"),
-    config_case("eval.checkpoints=[sft,final]", "error: config error: eval.checkpoints=[sft,final]: Invalid value "
-                                                "'final', expected one of [base, sft, rl]"),
+    config_case("eval.checkpoints=[sft,final]", "error: config error: eval.checkpoints[1]='final' is not a checkpoint: "
+                                                "base, sft, rl, a released model of eval.released (none in this "
+                                                "preset), hub:<org>/<name>@<40-hex commit> or a model folder (a path "
+                                                "with a /)"),
+    config_case("eval.checkpoints=[hub:PrimeIntellect/INTELLECT-3]",
+                "error: config error: eval.checkpoints[0]='hub:PrimeIntellect/INTELLECT-3': hub model "
+                "PrimeIntellect/INTELLECT-3 has no revision: every hub reference is pinned, "
+                "hub:PrimeIntellect/INTELLECT-3@<40-hex commit>"),
+    config_case("eval.checkpoints=[hub:PrimeIntellect/INTELLECT-3@main]",
+                "error: config error: eval.checkpoints[0]='hub:PrimeIntellect/INTELLECT-3@main': revision 'main' of "
+                "PrimeIntellect/INTELLECT-3 is not a full commit id (40 hex digits): a branch or tag can move"),
     config_case("~rl.max_steps", "error: config error: ~rl.max_steps: RLConfig (DictConfig) does not support "
                                  "deletion"),
     config_case("sft.lr=${nope}", "error: config error: sft.lr does not resolve: Interpolation key 'nope' not "
@@ -583,6 +592,14 @@ CASES = [
     Case("an empty pretraining split", "make base", "error: <runs>/tiny/data/pretrain.parquet has no rows: "
          "`make base` pretrains the tiny model on them (data.pretrain_rows_per_task >= 1)",
          setup=with_data(pretrain=[])),
+    Case("a hub model that is not in the HF cache, offline", "make eval",
+         "error: eval.checkpoints 'hub:org/none@0123456789abcdef0123456789abcdef01234567': "
+         "org/none@0123456789abcdef0123456789abcdef01234567 is not in the local HF cache (…; offline mode is on: …); "
+         "fill the HF cache on a machine with network …",
+         args=["eval.held_out=false", "eval.checkpoints=[hub:org/none@0123456789abcdef0123456789abcdef01234567]"]),
+    Case("a model folder that does not exist", "make eval",
+         "error: eval.checkpoints: model folder no/such/model does not exist (a hub model is written "
+         "hub:<org>/<name>@<40-hex commit>)", args=["eval.held_out=false", "eval.checkpoints=[no/such/model]"]),
     Case("samples.jsonl with non-UTF-8 bytes", "make eval", "error: <runs>/tiny/eval/sft/samples.jsonl line 2 is not "
          "UTF-8 text (the file is damaged): delete it to evaluate this checkpoint again",
          args=["eval.checkpoints=[sft]", "eval.samples=1", "eval.pass_k=[1]", "eval.max_new_tokens=4"],

@@ -487,9 +487,17 @@ def test_make_eval_runs_the_configured_benchmarks_and_reports_them(tmp_path, mon
         return made[-1]
 
     load = B.load_benchmark
-    read = []  # the base checkpoint is the hub model: its generation_config.json at the pinned revision
-    monkeypatch.setattr(ev.sampling, "read_generation_config",
-                        lambda model, revision=None: read.append((model, revision)) or {"temperature": 0.6})
+    located = []  # the base checkpoint is the hub model: its snapshot at the pinned revision, in the HF cache
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    (snapshot / "generation_config.json").write_text(json.dumps({"temperature": 0.6}))
+    (snapshot / "model.safetensors").write_bytes(b"")  # what the offline check of the weights looks for
+
+    def locate(model, timeout):
+        located.append((model.hub_id, model.revision))
+        return dataclasses.replace(model, path=snapshot)
+
+    monkeypatch.setattr(ev.eval_models, "locate", locate)
     monkeypatch.setattr(ev, "make_eval_engine", engine_for)
     monkeypatch.setattr(ev, "load_benchmark", lambda spec, **kw: load(spec, offline_fixture=True))
     args = [f"run_root={tmp_path / 'runs'}", "preset=intellect3", "eval.checkpoints=[base]", "eval.held_out=false",
@@ -498,7 +506,10 @@ def test_make_eval_runs_the_configured_benchmarks_and_reports_them(tmp_path, mon
     out = tmp_path / "runs" / "intellect3" / "eval" / "base"
     gpqa = json.loads((out / "gpqa_diamond" / "results.json").read_text())
     assert gpqa["benchmark"]["avg@8"] == 1.0 and gpqa["protocol"]["samples"] == 8 and gpqa["checkpoint"] == "base"
-    assert read[0] == ("zai-org/GLM-4.5-Air-Base", load_config(["preset=intellect3"]).model.revision)
+    assert located[0] == ("zai-org/GLM-4.5-Air-Base", load_config(["preset=intellect3"]).model.revision)
+    model = gpqa["provenance"]["model"]
+    assert model["kind"] == "hub" and model["stage"] == "base"
+    assert gpqa["model_sha"] == f"zai-org/GLM-4.5-Air-Base@{located[0][1]}"  # a hub model's key: id@commit, as before
     proto = gpqa["protocol"]
     assert (proto["temperature"], proto["temperature_source"]) == (0.6, "generation_config.json")
     assert (proto["top_p"], proto["top_p_source"], proto["top_k"], proto["top_k_source"]) == (1.0, "default", -1,
@@ -508,8 +519,8 @@ def test_make_eval_runs_the_configured_benchmarks_and_reports_them(tmp_path, mon
     report = (tmp_path / "runs" / "RESULTS.md").read_text()
     assert "| INTELLECT-3 (paper) | 98.1 | 90.8 | 88.0 | 69.3 | 74.4 | 14.6 | 81.9 |" in report
     assert "| protocol (release evals) | avg@4 | avg@64 | avg@64 | avg@2 | avg@8 | avg@1 | avg@1 |" in report
-    assert ("| this recipe: `intellect3` base | not run | not run | not run | not run | 100.0 (n=3) | "
-            "100.0 (avg@2, n=2) | not run |") in report
+    assert ("| this recipe: `intellect3` base | not run | not run | not run | not run | 100.0 ± 0.0 (n=3) | "
+            "100.0 ± 0.0 (avg@2, n=2) | not run |") in report
     assert "| this recipe: `intellect3` rl | not run |" in report
     ev.main(args)  # finished: nothing is regenerated, no engine is started
     assert len(made) == 1 and "already evaluated" in capsys.readouterr().out

@@ -46,7 +46,8 @@ def test_sbatch_scripts_are_rendered_from_the_templates_and_parse(tmp_path, caps
     overrides = ["preset=intellect3", f"run_root={tmp_path}", "rl.max_steps=5"]
     written = launch(load_config(overrides), overrides)
     launch_dir = tmp_path / "intellect3" / "launch"
-    assert written == [launch_dir / "rl.sbatch", launch_dir / "sft.sbatch"]  # no judge script: not pinned
+    # no judge script: not pinned; eval.sbatch: tests/test_launch_eval.py
+    assert written == [launch_dir / "rl.sbatch", launch_dir / "sft.sbatch", launch_dir / "eval.sbatch"]
     out = capsys.readouterr().out
     assert "judge: no script written: rl.judge.revision is not set" in out
     text = (launch_dir / "rl.sbatch").read_text()

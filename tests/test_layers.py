@@ -18,7 +18,7 @@ LAYERS = [
     ["recipe.rollout"],
     ["recipe.inference"],
     ["recipe.data"],
-    ["recipe.eval.metrics", "recipe.eval.runner", "recipe.eval.sampling", "recipe.rl.loss", "recipe.rl.muon",
+    ["recipe.eval.metrics", "recipe.eval.runner", "recipe.eval.sampling", "recipe.eval.models", "recipe.rl.loss", "recipe.rl.muon",
      "recipe.rl.dist", "recipe.rl.trainer", "recipe.rl.orchestrator", "recipe.sft"],
     ["recipe.eval.benchmarks"],
     ["recipe.eval.report"],

@@ -49,14 +49,14 @@ def test_an_upstream_made_under_another_config_is_refused_and_the_hashes_consume
 
 
 def test_eval_refuses_a_checkpoint_made_under_another_config(cfg_factory):
-    from recipe.eval.__main__ import checkpoint_path
+    from recipe.eval.models import model_for
 
     cfg = cfg_factory()
     Stage(cfg, "sft").finish(inputs={}, outputs={})
-    assert checkpoint_path(cfg, "sft") == stage_dir(cfg, "sft") / "model"
-    assert checkpoint_path(cfg, "rl") is None  # not finished: skipped, as before
+    assert model_for(cfg, "sft").path == stage_dir(cfg, "sft") / "model"
+    assert model_for(cfg, "rl") is None  # not finished: skipped, as before
     with pytest.raises(StageError, match=r"eval: stage 'sft' .* another config .*make sft"):
-        checkpoint_path(cfg_factory("sft.lr=0.5"), "sft")
+        model_for(cfg_factory("sft.lr=0.5"), "sft")
 
 
 # -- the folder lock ---------------------------------------------------------------------------------------------

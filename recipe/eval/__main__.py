@@ -1,9 +1,12 @@
-"""`make eval`: every finished checkpoint (base, sft, rl) on the held-out suite and on the paper's benchmarks
-that eval.benchmarks lists (each with its own k and sampling), then RESULTS.md.
+"""`make eval`: every model of eval.checkpoints (the finished stages base, sft, rl; a released model of
+eval.released; a hub model at a pinned revision; a local model folder: recipe/eval/models.py) on the held-out
+suite and on the paper's benchmarks that eval.benchmarks lists (each with its own k and sampling), then RESULTS.md.
 
-Output: eval/<checkpoint>/{results.json, samples.jsonl} for the held-out suite and
-eval/<checkpoint>/<benchmark>/{results.json, samples.jsonl} for each benchmark; one engine serves them all. The
-held-out scores also go into the card of each evaluated model folder (README.md, recipe/model_card.py).
+Output: eval/<folder>/{results.json, samples.jsonl} for the held-out suite and
+eval/<folder>/<benchmark>/{results.json, samples.jsonl} for each benchmark, <folder> the model's own
+(models.folder_name); one engine serves them all, and every eval resumes per problem. The held-out scores also go
+into the card of each evaluated model folder of this run's stages (README.md, recipe/model_card.py). Under a SLURM
+eval job (`make plan`: eval.sbatch) RECIPE_INFERENCE_URLS names the vLLM servers the job started for the model.
 
 Sampling: what the eval config leaves null comes from the checkpoint's generation_config.json, as the release
 evals' vLLM servers took it (recipe/eval/sampling.py); each results.json records every setting with its source
@@ -15,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -22,37 +26,35 @@ import torch
 from omegaconf import OmegaConf
 
 from recipe.chat import encode_prompt
-from recipe.config import CheckpointName, EngineKind, config_hash, drop_unset_top_k
+from recipe.config import EngineKind, config_hash, drop_unset_top_k
 from recipe.data.schema import read_split
-from recipe.errors import StageError
+from recipe.eval import models as eval_models
 from recipe.eval import sampling
 from recipe.eval.benchmarks import load_benchmark, resolve, run_benchmark, validate_benchmarks
 from recipe.eval.report import write_report
 from recipe.eval.runner import evaluate, model_context
 from recipe.inference.hf import HFEngine
 from recipe.inference.vllm import VLLMEngine
+from recipe.launch.roles import INFERENCE_URLS_ENV
 from recipe.model_card import write_card
-from recipe.runs import (STAGE_KEYS, Stage, done_hash, provenance, require_done, sha256_tree, stage_dir, stage_main,
-                         write_atomic)
+from recipe.runs import STAGE_KEYS, Stage, done_hash, provenance, require_done, stage_dir, stage_main, write_atomic
 from recipe.tracking import Tracker, open_tracker
 
 # eval keys that only concern the benchmarks: left out of the held-out suite's key, so that adding a benchmark
 # does not redo the held-out eval (and the key stays what it was before these keys existed)
 BENCHMARK_KEYS = ("held_out", "benchmarks", "benchmark_max_problems", "hub_timeout_s")
-
-
-def checkpoint_path(cfg, name: str):
-    """Model folder of a stage's output, None when the stage has not finished; for hub presets 'base' is the hub
-    model itself. A stage finished under another config than this one is refused (recipe.runs.require_done)."""
-    if name == "base" and cfg.model.hub_id:
-        return cfg.model.hub_id
-    d = stage_dir(cfg, name)
-    if name not in ("base", "sft", "rl"):
-        raise StageError(f"eval.checkpoints: unknown checkpoint '{name}' (known: base, sft, rl)")
-    return require_done(cfg, name, by="eval") / "model" if (d / "DONE.json").exists() else None
+# eval keys that say which models to evaluate, not how: out of the held-out key too (eval.checkpoints is hashed as
+# its old default, which the keys made before it took other models were made with)
+MODEL_KEYS = ("checkpoints", "released")
+CHECKPOINTS_AS_HASHED = ["base", "sft", "rl"]
 
 
 def make_eval_engine(cfg, path, out_dir):
+    """The engine of one model folder: the vLLM servers a SLURM eval job started for it (RECIPE_INFERENCE_URLS),
+    else the hf engine or a vLLM server of its own."""
+    urls = os.environ.get(INFERENCE_URLS_ENV)
+    if urls:
+        return VLLMEngine(str(path), cfg, launch=False, base_url=urls)
     if cfg.eval.engine == EngineKind.hf:
         return HFEngine.from_pretrained(str(path), batch_size=cfg.eval.batch_size)
     # `auto`: the model's generation_config.json is the server's default, as in the release evals
@@ -66,13 +68,8 @@ def _sha(data) -> str:
 def held_out_hash(cfg) -> str:
     ev = OmegaConf.to_container(cfg.eval, resolve=True)
     drop_unset_top_k(ev)
-    return _sha({"eval": {k: v for k, v in ev.items() if k not in BENCHMARK_KEYS}})
-
-
-def generation_config(cfg, path) -> dict:
-    """The sampling keys of the checkpoint's generation_config.json: a model folder's, or the hub model's at the
-    pinned revision (base of a hub preset)."""
-    return sampling.read_generation_config(path, None if isinstance(path, Path) else cfg.model.revision)
+    ev = {k: v for k, v in ev.items() if k not in BENCHMARK_KEYS + MODEL_KEYS}
+    return _sha({"eval": {**ev, "checkpoints": CHECKPOINTS_AS_HASHED}})
 
 
 def held_out_config(cfg, chosen: dict, engine, rows: list[dict]):
@@ -135,6 +132,14 @@ def scores(spec, res: dict) -> dict:
     return {spec.name: res["benchmark"]}
 
 
+def tracker_step(cfg, model) -> int:
+    """The x axis of the tracker: base 0, sft 1, rl 2, then the other models in eval.checkpoints' order."""
+    if model.stage is not None:
+        return eval_models.STAGES.index(model.stage)
+    others = [e for e in cfg.eval.checkpoints if e not in eval_models.STAGES]
+    return len(eval_models.STAGES) + others.index(model.entry)
+
+
 def update_card(cfg, name: str, folder: Path, results_path: Path, key: str) -> None:
     """Write the model folder's card again, with the held-out scores of this model under this eval config
     (results.json's key says so), or with none. A folder without the stage's manifest was not made by a stage
@@ -149,34 +154,33 @@ def update_card(cfg, name: str, folder: Path, results_path: Path, key: str) -> N
 
 
 def run_eval(cfg, stage: Stage, tracker: Tracker) -> None:
-    """tracker: the scores evaluated of each checkpoint, logged once, at the checkpoint's place in the pipeline
-    (base 0, sft 1, rl 2: the x axis of a curve over the stages)."""
+    """tracker: the scores evaluated of each model, logged once, at the model's place (tracker_step)."""
     data_dir = stage_dir(cfg, "data")
     rows = held_out_rows(cfg) if cfg.eval.held_out else []
     bench_rows: dict[str, list[dict]] = {}
-    held_keys: dict[str, str] = {}  # checkpoint with a model folder of ours -> its held-out results' key
-    # every checkpoint is checked against this config before any work
-    paths = {name: checkpoint_path(cfg, name) for name in cfg.eval.checkpoints}
-    for name in cfg.eval.checkpoints:
-        path = paths[name]
-        if path is None:
-            print(f"eval: checkpoint '{name}' not finished ({stage_dir(cfg, name)}); skipped: run `make {name}`")
+    held_keys: dict[str, tuple[Path, str]] = {}  # stage with a model folder of this run -> (folder, held-out key)
+    # every model is checked before any work: this config's stages, folders, hub models located (seconds offline)
+    models = {entry: eval_models.model_for(cfg, entry) for entry in cfg.eval.checkpoints}
+    for entry, model in models.items():
+        if model is None:
+            print(f"eval: checkpoint '{entry}' not finished ({stage_dir(cfg, entry)}); skipped: run `make {entry}`")
             continue
-        # the config hash of each stage this checkpoint's results come from
+        name = model.folder
+        # the config hash of each stage this model's results come from
         upstream = {n: done_hash(stage_dir(cfg, n)) for n in (["data"] if cfg.eval.held_out else []) +
-                    ([] if isinstance(path, str) else [name])}
+                    ([model.stage] if model.kind == "stage" else [])}
         out = stage.dir / name
         out.mkdir(parents=True, exist_ok=True)
-        model_sha = _sha(sha256_tree(path)) if not isinstance(path, str) else f"{path}@{cfg.model.revision}"
-        # sampling settings the config leaves null come from this checkpoint's generation_config.json
-        generation = generation_config(cfg, path)
+        model_sha = model.key()
+        # sampling settings the config leaves null come from the model's generation_config.json
+        generation = sampling.read_generation_config(model.path)
         specs = [resolve(b, cfg.eval, generation) for b in cfg.eval.benchmarks]
         held = sampling.resolve([(sampling.CONFIG, cfg.eval)], generation)
         jobs = []
         if cfg.eval.held_out:
             key = f"{held_out_hash(cfg)}-{model_sha}-{len(rows)}"
-            if not isinstance(path, str):
-                held_keys[name] = key
+            if model.kind == "stage":
+                held_keys[name] = (model.path, key)
             if _up_to_date(out, key):
                 print(f"eval: {name} already evaluated ({out / 'results.json'}); nothing to do")
             else:
@@ -193,8 +197,13 @@ def run_eval(cfg, stage: Stage, tracker: Tracker) -> None:
         for spec, _ in jobs:  # every dataset is in hand before the engine starts: a hub failure costs seconds
             if spec is not None and spec.name not in bench_rows:
                 bench_rows[spec.name] = load_benchmark(spec, timeout=cfg.eval.hub_timeout_s)
-        engine = make_eval_engine(cfg, path, out)
+        eval_models.fetch_weights(model)
+        # a hub model's own weights (a folder's are in the key): the index's sha256, where it has one
+        described = model.describe()
+        engine = make_eval_engine(cfg, model.path, out)
         logged: dict = {}
+        # a hub model is its id@commit (its 200 GB are not hashed again); a folder is hashed file by file
+        model_input = model.ref if model.kind == "hub" else model.path
         try:
             for spec, key in jobs:
                 started = time.time()
@@ -202,34 +211,35 @@ def run_eval(cfg, stage: Stage, tracker: Tracker) -> None:
                     ecfg, chosen = held_out_config(cfg, held, engine, rows)
                     res = evaluate(engine, engine.tokenizer, rows, ecfg, out, desc=f"eval {name}")
                     res["sampling"] = chosen
-                    res_path, inputs = out / "results.json", {"model": path, "eval_data": data_dir / "eval.parquet"}
+                    res_path, inputs = out / "results.json", {"model": model_input,
+                                                              "eval_data": data_dir / "eval.parquet"}
                     summary = ", ".join(f"{e} {v.get(f'avg@{cfg.eval.samples}', 0):.3f}" for e, v in res["env"].items())
                     label = name
                 else:
                     bout = out / spec.name
                     res = run_benchmark(engine, engine.tokenizer, spec, bench_rows[spec.name], bout,
                                         cfg.eval.batch_size, cfg.eval.seed, desc=f"eval {name} {spec.title}")
-                    res_path, inputs = bout / "results.json", {"model": path,
+                    res_path, inputs = bout / "results.json", {"model": model_input,
                                                                "benchmark": f"{spec.hub_id}@{spec.revision}"}
                     b = res["benchmark"]
                     summary = f"avg@{spec.samples} {b.get(f'avg@{spec.samples}', float('nan')):.3f} over " \
                               f"{b['problems']} problems" + (f", {res['masked_problems']} masked"
                                                              if res.get("masked_problems") else "")
                     label = f"{name} {spec.title}"
-                res.update({"key": key, "checkpoint": name, "model_sha": model_sha})
+                res.update({"key": key, "checkpoint": entry, "model_sha": model_sha})
                 where = f"eval/{name}" + (f"/{spec.name}" if spec else "")
                 res["provenance"] = provenance(cfg, where, config_hash(cfg, STAGE_KEYS["eval"]), started,
                                                inputs=inputs, outputs={"samples": res_path.parent / "samples.jsonl"},
-                                               extra={"upstream": upstream})
+                                               extra={"upstream": upstream, "model": described})
                 write_atomic(res_path, json.dumps(res, indent=2, sort_keys=True))
                 print(f"eval: {label}: {summary}")
                 logged.update(scores(spec, res))
         finally:
             if hasattr(engine, "close"):
                 engine.close()
-        tracker.log(logged, list(CheckpointName).index(name))
-    for name, key in held_keys.items():  # (a hub model, base of a hub preset, has no folder of ours)
-        update_card(cfg, name, paths[name], stage.dir / name / "results.json", key)
+        tracker.log(logged, tracker_step(cfg, model))
+    for name, (folder, key) in held_keys.items():  # (a hub model, base of a hub preset, has no folder of ours)
+        update_card(cfg, name, folder, stage.dir / name / "results.json", key)
 
 
 if __name__ == "__main__":

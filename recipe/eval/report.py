@@ -30,10 +30,22 @@ def read_json(path: Path, text: str | None = None, where: str = ""):
         raise DataError(f"{path}{where} is damaged ({e}): rerun the command that wrote it") from None
 
 
+STAGES = ["base", "sft", "rl"]
+
+
+def model_folders(eval_dir: Path) -> list[str]:
+    """The result folders of eval/ that are not this run's stages (released, hub and local models), sorted."""
+    if not eval_dir.is_dir():
+        return []
+    return sorted(p.name for p in eval_dir.iterdir() if p.is_dir() and p.name not in STAGES)
+
+
 def load_results(cfg) -> dict[str, dict]:
+    """The held-out results of every evaluated model: the stages first, then the other models by folder."""
     out = {}
-    for name in ["base", "sft", "rl"]:
-        p = stage_dir(cfg, "eval") / name / "results.json"
+    eval_dir = stage_dir(cfg, "eval")
+    for name in STAGES + model_folders(eval_dir):
+        p = eval_dir / name / "results.json"
         if p.exists():
             out[name] = read_json(p)
     return out
@@ -54,12 +66,14 @@ def tiny_table(cfg, results: dict[str, dict]) -> str:
     lines = []
     for name, r in results.items():
         prov = r["provenance"]
-        cells = [f"{r['env'][e][f'avg@{k}']:.3f} ± {r['env'][e]['stderr']:.3f}" if e in r["env"] else "-"
-                 for e in envs]
-        cells += [f"{r['env'][e].get(f'pass@{k}', float('nan')):.3f}" if e in r["env"] else "-" for e in envs]
+        # "-" where a model was evaluated at another k (a folder outside this eval.checkpoints keeps its last run)
+        at_k = {e: v for e, v in r["env"].items() if f"avg@{k}" in v}
+        cells = [f"{at_k[e][f'avg@{k}']:.3f} ± {at_k[e]['stderr']:.3f}" if e in at_k else "-" for e in envs]
+        cells += [f"{at_k[e].get(f'pass@{k}', float('nan')):.3f}" if e in at_k else "-" for e in envs]
         commit = _commit(prov)
+        overall = _num(r["overall"].get("avg")) if at_k else "-"
         lines.append(f"| {name} | " + " | ".join(cells) +
-                     f" | {r['overall']['avg']:.3f} | {prov['wall_s']:.0f} | `{prov['config_hash']}` | {commit} |\n")
+                     f" | {overall} | {prov['wall_s']:.0f} | `{prov['config_hash']}` | {commit} |\n")
     return head + sep + "".join(lines)
 
 
@@ -156,7 +170,12 @@ def soak_section(cfg) -> str:
     return "".join(out)
 
 
-def _benchmark_cell(path: Path, paper_k: int) -> str:
+OUTSIDE = "†"  # a measured cell the paper's number for the same model lies more than two standard errors from
+
+
+def _benchmark_cell(path: Path, paper_k: int, paper: float | None = None) -> str:
+    """avg@k in percent with its standard error over problems, notes, and OUTSIDE where `paper` (the paper's
+    number for the same model) lies outside two standard errors of it."""
     if not path.exists():
         return "not run"
     r = read_json(path)
@@ -169,7 +188,9 @@ def _benchmark_cell(path: Path, paper_k: int) -> str:
         notes.append(f"n={b['problems']}")
     if r.get("masked_problems"):
         notes.append(f"{r['masked_problems']} masked")
-    return f"{100 * b[f'avg@{k}']:.1f}" + (f" ({', '.join(notes)})" if notes else "")
+    avg, se = 100 * b[f"avg@{k}"], 100 * b.get("stderr", 0.0)
+    mark = f" {OUTSIDE}" if paper is not None and abs(paper - avg) > 2 * se else ""
+    return f"{avg:.1f} ± {se:.1f}" + (f" ({', '.join(notes)})" if notes else "") + mark
 
 
 def _temperature(cfg) -> str:
@@ -177,36 +198,82 @@ def _temperature(cfg) -> str:
     return "the checkpoint's generation_config.json (results.json `sampling`)" if t is None else str(t)
 
 
+def model_record(folder: Path) -> dict | None:
+    """What a results.json of the folder records about the model it evaluated (its provenance's `model`,
+    recipe.eval.models.describe): a benchmark's, else the held-out suite's; None when no result has it (written
+    before models were recorded)."""
+    for path in [folder / n / "results.json" for n in PAPER_ORDER] + [folder / "results.json"]:
+        if path.exists():
+            model = (read_json(path).get("provenance") or {}).get("model")
+            if isinstance(model, dict):
+                return model
+    return None
+
+
+def measured_label(preset: str, folder: str, model: dict) -> str:
+    """The row's name: the paper's model it stands beside (or its folder), where it was run, what it is."""
+    if model.get("kind") == "hub":
+        what = f"{model['hub_id']}@{model['revision'][:10]}"
+        if model.get("revision_verified") is False:
+            what += ", revision unverified"
+    else:
+        what = "local folder"
+    head = model.get("paper_row") or f"`{folder}`"
+    return f"{head} (measured here: `{preset}` eval/{folder}, {what})"
+
+
 def paper_section(cfg) -> str:
-    """The paper's table beside the rows of this recipe's checkpoints on the same benchmarks (`not run` until a
-    run fills them): the full-scale preset's, and the current preset's when it runs benchmarks too."""
+    """The paper's table beside the rows of the models evaluated here on the same benchmarks: under each paper
+    row, the same model measured here (a released model, or a hub reference to it); then this recipe's
+    checkpoints (`not run` until a run fills them) and every other evaluated model. The full-scale preset's runs,
+    and the current preset's when it runs benchmarks too."""
     specs = [REGISTRY[n] for n in PAPER_ORDER]
     presets = [FULL_PRESET]
-    ran = any((stage_dir(cfg, "eval") / c / n / "results.json").exists()
-              for c in ("base", "sft", "rl") for n in PAPER_ORDER)
+    eval_dir = stage_dir(cfg, "eval")
+    ran = any((eval_dir / c / n / "results.json").exists()
+              for c in STAGES + model_folders(eval_dir) for n in PAPER_ORDER)
     if cfg.preset != FULL_PRESET and (cfg.eval.benchmarks or ran):
         presets.append(cfg.preset)
-    out = [f"The paper's scores ({PAPER_SOURCE}; published numbers, not measured here) beside this recipe's "
-           "checkpoints on the same benchmarks, datasets pinned to revisions (recipe/eval/benchmarks.py). Percent, "
-           "avg@k: the mean score over k samples a problem. Reproduce the rows: `make eval PRESET=intellect3` "
-           "after the full-scale stages; `not run` until then. The protocol row is the release evals' k (prime-rl "
-           "configs/int3/eval/full-eval.toml). A cell notes its k when it differs from that, n when its problem "
-           "count differs from the paper's protocol, and masked problems (a sandbox "
-           "failure: left out, not scored 0). Deviations: HLE is graded by rules (math-verify, then a normalised "
-           "string match; the option letter for multiple choice), not by the paper's LLM judge; the LiveCodeBench "
-           "v6 contest window is unverified. Sampling settings the release configs leave unset come from each "
-           "checkpoint's generation_config.json, as on the release evals' servers; each results.json records "
-           "them with their sources.\n\n",
+    measured = []  # (preset, folder, model record) of every evaluated model that is not a stage of the run
+    for preset in presets:
+        root = Path(cfg.run_root) / preset / "eval"
+        for folder in model_folders(root):
+            record = model_record(root / folder)
+            if record is not None:
+                measured.append((preset, folder, record))
+
+    def measured_row(preset: str, folder: str, record: dict, paper: list[float] | None) -> str:
+        root = Path(cfg.run_root) / preset / "eval" / folder
+        cells = [_benchmark_cell(root / s.name / "results.json", s.samples, None if paper is None else paper[i])
+                 for i, s in enumerate(specs)]
+        return f"| {measured_label(preset, folder, record)} | " + " | ".join(cells) + " |\n"
+
+    out = [f"The paper's scores ({PAPER_SOURCE}; published numbers, not measured here) beside the models evaluated "
+           "here on the same benchmarks, datasets pinned to revisions (recipe/eval/benchmarks.py). Percent, avg@k: "
+           "the mean score over k samples a problem, ± its standard error over problems. Under a paper row, the "
+           "same model measured here (`make paper-table PRESET=intellect3`, README \"Reproduce the paper's "
+           f"table\"); {OUTSIDE} marks a cell the paper's number lies more than two standard errors from. This "
+           "recipe's rows: `make eval PRESET=intellect3` after the full-scale stages; `not run` until then. The "
+           "protocol row is the release evals' k (prime-rl configs/int3/eval/full-eval.toml). A cell notes its k "
+           "when it differs from that, n when its problem count differs from the paper's protocol, and masked "
+           "problems (a sandbox failure: left out, not scored 0). Deviations: HLE is graded by rules (math-verify, "
+           "then a normalised string match; the option letter for multiple choice), not by the paper's LLM judge; "
+           "the LiveCodeBench v6 contest window is unverified. Sampling settings the release configs leave unset "
+           "come from each model's generation_config.json, as on the release evals' servers; each results.json "
+           "records them with their sources, and the model (hub id, revision and whether a primary source confirms "
+           "it, the sha256 of its weights' index).\n\n",
            "| model | " + " | ".join(s.title for s in specs) + " |\n",
            "|---|" + "---|" * len(specs) + "\n",
            "| protocol (release evals) | " + " | ".join(f"avg@{s.samples}" for s in specs) + " |\n"]
     for model, scores in PAPER_SCORES.items():
         out.append(f"| {model} (paper) | " + " | ".join(f"{x:.1f}" for x in scores) + " |\n")
+        out += [measured_row(p, f, r, scores) for p, f, r in measured if r.get("paper_row") == model]
     for preset in presets:
         root = Path(cfg.run_root) / preset / "eval"
-        for ckpt in ["base", "sft", "rl"]:
+        for ckpt in STAGES:
             cells = [_benchmark_cell(root / ckpt / s.name / "results.json", s.samples) for s in specs]
             out.append(f"| this recipe: `{preset}` {ckpt} | " + " | ".join(cells) + " |\n")
+    out += [measured_row(p, f, r, None) for p, f, r in measured if r.get("paper_row") not in PAPER_SCORES]
     return "".join(out)
 
 
@@ -217,7 +284,7 @@ def task_table(cfg, results: dict[str, dict]) -> str:
            "|---|" + "---|" * len(results) + "\n"]
     for t in tasks:
         cells = [f"{r['task'][t][f'avg@{k}']:.3f} / {r['task'][t].get(f'pass@{k}', float('nan')):.3f}"
-                 if t in r["task"] else "-" for r in results.values()]
+                 if f"avg@{k}" in r["task"].get(t, {}) else "-" for r in results.values()]
         out.append(f"| {t} | " + " | ".join(cells) + " |\n")
     return "".join(out)
 

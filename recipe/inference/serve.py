@@ -73,6 +73,7 @@ from urllib.parse import urlparse
 import torch
 from safetensors import SafetensorError
 
+from recipe import hub
 from recipe.errors import RecipeError
 from recipe.inference.hf import HFEngine
 from recipe.inference.vllm.server import SERVED_MODEL_NAME, read_context
@@ -551,7 +552,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m recipe.inference.serve",
                                 description="The hf engine behind the part of vLLM's HTTP API the recipe uses "
                                             "(a CPU stand-in for `vllm serve`).")
-    p.add_argument("model", help="model folder (save_pretrained: config, tokenizer, weights)")
+    p.add_argument("model", help="model folder (save_pretrained: config, tokenizer, weights), or a hub id with "
+                                 "--revision")
+    p.add_argument("--revision", default=None, help="the hub model's commit: read from the HF cache's snapshot "
+                                                    "of it (fetched first unless HF_HUB_OFFLINE=1)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0: any free port (the ready line says which)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -563,8 +567,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def snapshot(model: str, revision: str) -> str:
+    """The HF cache's folder of a hub model at its commit (vLLM's --model ID --revision REV, on the hf engine)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(model, revision=revision, local_files_only=hub.offline())
+    except Exception as e:  # not in the cache offline, no network, no such commit: one line that names it
+        raise RecipeError(f"serve: cannot load {model}@{revision} ({type(e).__name__}: "
+                          f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})") from None
+
+
 def build_service(args) -> Service:
-    model_path = str(Path(args.model).resolve())
+    model_path = str(Path(snapshot(args.model, args.revision) if args.revision else args.model).resolve())
     context = read_context(model_path)
     max_len = args.max_model_len if args.max_model_len is not None else context
     if max_len is None or max_len < 1:

@@ -5,12 +5,20 @@
 For launcher.kind=slurm it renders the batch scripts from recipe/launch/templates (Jinja2) into
 <run_root>/<preset>/launch/: rl.sbatch (trainer nodes run torchrun -m recipe.rl, the first of them also the
 orchestrator; each policy node runs one server: `vllm serve` on GPUs, the hf engine's server on CPU), sft.sbatch
-(torchrun -m recipe.sft on the trainer nodes) and judge.sbatch (the LLM judge, a 1-node job of its own). The
-trainer command is roles.torchrun_on_nodes, the one `make rl` / `make sft` run on one machine
-(roles.torchrun_command) with the node's rank added. For launcher.kind=local it only prints the plan.
+(torchrun -m recipe.sft on the trainer nodes), judge.sbatch (the LLM judge, a 1-node job of its own) and
+eval.sbatch (the eval stage: launcher.eval_nodes nodes, one vLLM server a node, TP within the node and data
+parallel across nodes, serving each model of eval.checkpoints in turn to `python -m recipe.eval` on the first
+node). The servers' part of rl.sbatch and eval.sbatch is one template, _servers.sh.j2. The trainer command is
+roles.torchrun_on_nodes, the one `make rl` / `make sft` run on one machine (roles.torchrun_command) with the
+node's rank added. For launcher.kind=local it only prints the plan.
+
+The eval plan (eval_plan) gives each benchmark at its k: samples, requests in flight, tokens at most (every
+completion at max_new_tokens) and expected (the mean completion a results.json of the preset measured, else
+launcher.eval_completion_share of max_new_tokens), and hours at launcher.eval_server_tokens_per_s a server.
 """
 from __future__ import annotations
 
+import json
 import math
 import shlex
 import sys
@@ -19,8 +27,10 @@ from pathlib import Path
 import jinja2
 import torch
 
+from recipe.config import checkpoint_entry
 from recipe.errors import ConfigError
-from recipe.eval.benchmarks import validate_benchmarks
+from recipe.eval.benchmarks import resolve, validate_benchmarks
+from recipe.eval.models import folder_name
 from recipe.inference.vllm import hf_server_command, server_command, server_env
 from recipe.launch.recipe_table import compare
 from recipe.launch.roles import INFERENCE_URLS_ENV, torchrun_on_nodes
@@ -157,6 +167,118 @@ def throughput(cfg, plan: dict) -> dict:
     return out
 
 
+# -- the eval stage --------------------------------------------------------------------------------------------
+def eval_servers(cfg) -> dict:
+    """The eval job's servers: one a node of launcher.eval_nodes (one, of its own, for a local launcher), each TP
+    launcher.inference_tp and data parallel over the rest of its node's GPUs."""
+    la = cfg.launcher
+    slurm = la.kind == "slurm"
+    tp = la.inference_tp if slurm else 1
+    dp = max(1, la.gpus_per_node // tp) if slurm and la.gpus_per_node else 1
+    return {"servers": la.eval_nodes if slurm else 1, "tp": tp, "dp": dp}
+
+
+def measured_completion(cfg, bench: str) -> tuple[float, str] | None:
+    """(the longest mean completion, in tokens, that a results.json of this preset measured for the benchmark,
+    its folder); None before any eval of it ran."""
+    root = stage_dir(cfg, "eval")
+    found = []
+    for path in sorted(root.glob(f"*/{bench}/results.json")) if root.is_dir() else []:
+        try:
+            mean = float(json.loads(path.read_text()).get("mean_completion_tokens") or 0)
+        except (OSError, ValueError, TypeError):  # a damaged file: the report names it, the plan does without
+            continue
+        if mean > 0:
+            found.append((mean, f"eval/{path.parent.parent.name}"))
+    return max(found) if found else None
+
+
+def eval_plan(cfg) -> dict:
+    """What the eval stage costs, benchmark by benchmark at its k, for one model: samples, requests in flight,
+    tokens at most and expected, hours (module docstring)."""
+    la, ev = cfg.launcher, cfg.eval
+    servers = eval_servers(cfg)
+    context = (cfg.model.arch.max_position_embeddings if cfg.model.arch is not None
+               else cfg.model.tiny.max_position_embeddings if cfg.model.hub_id is None else None)
+    tps = la.eval_server_tokens_per_s
+    rows = []
+    for b in ev.benchmarks:
+        spec = resolve(b, ev, {})
+        problems = spec.expected_problems
+        if spec.max_problems is not None and problems is not None:
+            problems = min(problems, spec.max_problems)
+        k = spec.samples
+        max_new = spec.max_new_tokens if spec.max_new_tokens is not None else context
+        chunk = max(1, ev.batch_size // k) * k  # the runner sends whole problems, k samples each, together
+        in_flight = min(chunk, cfg.rl.gen_batch_size) if ev.engine == "vllm" else chunk
+        measured = measured_completion(cfg, spec.name)
+        if measured is not None:
+            mean, source = measured[0], f"measured ({measured[1]})"
+        elif la.eval_completion_share is not None and max_new is not None:
+            mean, source = la.eval_completion_share * max_new, "assumed: launcher.eval_completion_share"
+        else:
+            mean, source = None, None
+        row = {"name": spec.name, "title": spec.title, "k": k, "problems": problems, "max_new_tokens": max_new,
+               "in_flight": in_flight, "in_flight_per_server": math.ceil(in_flight / servers["servers"]),
+               "mean_completion": mean, "mean_source": source}
+        if problems is not None:
+            row["samples"] = problems * k
+            row["tokens_max"] = row["samples"] * max_new if max_new is not None else None
+            row["tokens_expected"] = row["samples"] * mean if mean is not None else None
+            for key in ("max", "expected"):
+                tokens = row[f"tokens_{key}"]
+                row[f"hours_{key}"] = (tokens / (servers["servers"] * tps) / 3600
+                                       if tokens is not None and tps else None)
+        rows.append(row)
+    return {**servers, "models": list(ev.checkpoints), "benchmarks": rows, "tokens_per_s": tps}
+
+
+def _tokens(n: float | None) -> str:
+    return "n/a" if n is None else f"{n / 1e6:,.1f}M" if n >= 1e6 else f"{n:,.0f}"
+
+
+def _hours(h: float | None) -> str:
+    return "n/a" if h is None else f"{h:.1f} h"
+
+
+def describe_eval(cfg, ep: dict) -> list[str]:
+    la = cfg.launcher
+    n = len(ep["models"])
+    if la.kind == "slurm" and cfg.eval.engine == "vllm":
+        where = (f"{plural(ep['servers'], 'vLLM server')}, one a node (launcher.eval_nodes), TP {ep['tp']} within the "
+                 f"node" + (f" x DP {ep['dp']}" if ep["dp"] > 1 else "") + ", data parallel across nodes; the eval "
+                 "client on the job's first node")
+    elif la.kind == "slurm":
+        where = (f"{plural(ep['servers'], 'hf engine server')} on CPU, one a node (launcher.eval_nodes), data "
+                 "parallel across nodes; the eval client on the job's first node")
+    else:
+        where = f"one {cfg.eval.engine} engine of its own"
+    lines = [f"eval stage: {plural(n, 'model')} ({', '.join(ep['models'])}) one after the other, {where}"]
+    if not ep["benchmarks"]:
+        return lines + ["  no benchmarks in eval.benchmarks (the held-out suite's size is known after `make data`)"]
+    tps = (f"hours at {ep['tokens_per_s']:g} completion tokens/s a server (assumed: launcher.eval_server_tokens_per_s)"
+           if ep["tokens_per_s"] else "no hours: launcher.eval_server_tokens_per_s is not set")
+    lines.append(f"  per model, each benchmark at its k; {tps}; prompts' prefill not counted")
+    total = {"samples": 0, "tokens_max": 0.0, "tokens_expected": 0.0, "hours_max": 0.0, "hours_expected": 0.0}
+    for r in ep["benchmarks"]:
+        mean = (f"expected {_tokens(r.get('tokens_expected'))} (mean {r['mean_completion']:,.0f} a completion, "
+                f"{r['mean_source']})" if r["mean_completion"] is not None else "expected n/a")
+        lines.append(f"  {r['title']}: avg@{r['k']} x {r['problems'] if r['problems'] is not None else '?'} problems "
+                     f"= {r.get('samples', '?')} samples, up to {r['in_flight']} requests in flight (about "
+                     f"{r['in_flight_per_server']} a server); tokens at most {_tokens(r.get('tokens_max'))} "
+                     f"({r['max_new_tokens']} each), {mean}; {_hours(r.get('hours_max'))} at most, "
+                     f"{_hours(r.get('hours_expected'))} expected")
+        for key in total:
+            total[key] = None if total[key] is None or r.get(key) is None else total[key] + r[key]
+    samples = "?" if total["samples"] is None else f"{total['samples']:,}"
+    all_models = None if total["hours_expected"] is None else total["hours_expected"] * n
+    lines.append(f"  all benchmarks, per model: {samples} samples, tokens at most {_tokens(total['tokens_max'])}, "
+                 f"expected {_tokens(total['tokens_expected'])}; {_hours(total['hours_max'])} at most, "
+                 f"{_hours(total['hours_expected'])} expected"
+                 + (f"; x {n} models: {_hours(all_models)} expected" if n > 1 else ""))
+    return lines
+
+
 # -- the SLURM batch scripts ---------------------------------------------------------------------------------
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 HEALTH_POLL_S = 2
@@ -223,6 +345,70 @@ def judge_script(cfg, plan: dict) -> str:
            "--tensor-parallel-size", str(j.tensor_parallel)]
     return _render("judge.sbatch.j2", **_common(cfg, plan), judge_model=j.hub_id, judge_revision=j.revision,
                    judge_port=j.port, judge_cmd=" ".join(shlex.quote(a) for a in cmd))
+
+
+def served_model(cfg, entry: str) -> tuple[str, str | None, str]:
+    """(what the servers load, its revision or None, a description) for one eval.checkpoints entry: a stage's
+    model folder, a hub id at its commit (the servers read it from the HF cache, which they share), or a folder.
+    Nothing is looked up: the plan runs where the models are not."""
+    released = {m.name: m for m in cfg.eval.released}
+    kind, hub_id, revision = checkpoint_entry(entry, list(released))
+    if kind == "stage" and entry == "base" and cfg.model.hub_id:
+        return cfg.model.hub_id, cfg.model.revision, f"{cfg.model.hub_id}@{cfg.model.revision}"
+    if kind == "stage":
+        return str(stage_dir(cfg, entry) / "model"), None, f"this run's {entry} stage"
+    if kind == "released":
+        m = released[entry]
+        what = f"{m.hub_id}@{m.revision}" + ("" if m.revision_verified else ", revision unverified")
+        return m.hub_id, m.revision, what
+    if kind == "hub":
+        return hub_id, revision, f"{hub_id}@{revision}"
+    return entry, None, "local folder"
+
+
+def eval_server_command(cfg, entry: str, ep: dict) -> list[str]:
+    """The server an eval node runs for one model: with eval.engine=vllm `vllm serve` with the eval's
+    generation_config (auto, as the release evals), the model at its revision, TP launcher.inference_tp and data
+    parallel over the node's other GPUs; with eval.engine=hf the hf engine's server on a CPU node (as rl.sbatch's
+    policy servers)."""
+    model, revision, _ = served_model(cfg, entry)
+    if cfg.eval.engine != "vllm":
+        return hf_server_command(model, cfg, host=SERVER_HOST, python=SERVER_PYTHON) + (
+            ["--revision", revision] if revision else [])
+    cmd = server_command(model, cfg, host=SERVER_HOST, python=SERVER_PYTHON, generation_config="auto", cuda=True)
+    if revision:
+        cmd += ["--revision", revision, "--tokenizer-revision", revision]
+    if ep["dp"] > 1:
+        cmd += ["--data-parallel-size", str(ep["dp"])]
+    return cmd
+
+
+def eval_overrides(cfg, overrides: list[str], entry: str) -> list[str]:
+    """The eval client's overrides in the job: the run's, with one model in eval.checkpoints."""
+    kept = [o for o in trainer_overrides(cfg, overrides) if not o.lstrip("+~").startswith("eval.checkpoints=")]
+    return kept + [f"eval.checkpoints=[{entry}]"]
+
+
+def eval_script(cfg, ep: dict, overrides: list[str]) -> str:
+    la = cfg.launcher
+    env = {k: v for k, v in server_env(base={}, cuda=True).items() if k != "PYTHONPATH"}
+    released = [m.name for m in cfg.eval.released]
+    models = []
+    for entry in ep["models"]:
+        kind, hub_id, revision = checkpoint_entry(entry, released)
+        client = [SERVER_PYTHON, "-m", "recipe.eval", *eval_overrides(cfg, overrides, entry)]
+        folder = folder_name(kind, entry, hub_id, revision)
+        served, served_revision, what = served_model(cfg, entry)
+        models.append({"entry": entry, "folder": folder, "what": what, "hub_id": served, "revision": served_revision,
+                       "results": stage_dir(cfg, "eval") / folder,
+                       "server_cmd": " ".join(shlex.quote(a) for a in eval_server_command(cfg, entry, ep)),
+                       "eval_cmd": " ".join(shlex.quote(a) for a in client)})
+    kind = (f"vLLM, TP {ep['tp']}" + (f" x DP {ep['dp']}" if ep["dp"] > 1 else "") if cfg.eval.engine == "vllm"
+            else "hf engine server, CPU")
+    return _render("eval.sbatch.j2", **_common(cfg, placement(cfg)), nodes=ep["servers"], models=models,
+                   server_kind=kind, server_env=sorted(env.items()), server_port=cfg.rl.vllm_port,
+                   health_timeout_s=la.health_timeout_s, health_poll_s=HEALTH_POLL_S, urls_env=INFERENCE_URLS_ENV,
+                   hub_models=[m for m in models if m["revision"]])
 
 
 def plural(n: int, noun: str) -> str:
@@ -316,12 +502,14 @@ def write_scripts(cfg, plan: dict, overrides: list[str]) -> tuple[list[Path], li
         else:  # every hub reference is pinned: no script serves an unpinned model
             lines.append(f"judge: no script written: rl.judge.revision is not set (pin {j.hub_id} to a commit)")
     for name, text in (("rl.sbatch", rl_script(cfg, plan, overrides, judge)), ("sft.sbatch",
-                                                                              sft_script(cfg, plan, overrides))):
+                                                                              sft_script(cfg, plan, overrides)),
+                       ("eval.sbatch", eval_script(cfg, eval_plan(cfg), overrides))):
         write_atomic(launch_dir / name, text)
         written.append(launch_dir / name)
     lines += [f"wrote {p}" for p in written]
-    lines.append("submit: " + " && ".join(f"sbatch {p}" for p in written if p.name != "sft.sbatch")
-                 + f"   (SFT: sbatch {launch_dir / 'sft.sbatch'})")
+    lines.append("submit: " + " && ".join(f"sbatch {p}" for p in written if p.name not in ("sft.sbatch",
+                                                                                           "eval.sbatch"))
+                 + f"   (SFT: sbatch {launch_dir / 'sft.sbatch'}; eval: sbatch {launch_dir / 'eval.sbatch'})")
     return written, lines
 
 
@@ -329,6 +517,7 @@ def launch(cfg, overrides: list[str]) -> list[Path]:
     validate_benchmarks(cfg.eval)
     plan = placement(cfg)
     lines = describe(cfg, plan, memory_estimate(cfg, plan), throughput(cfg, plan))
+    lines += describe_eval(cfg, eval_plan(cfg))
     written = []
     if cfg.launcher.kind == "slurm":
         written, more = write_scripts(cfg, plan, overrides)
