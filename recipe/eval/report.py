@@ -120,14 +120,51 @@ def sft_bench_section(cfg) -> str:
            "(recipe.sft.PackedBatchCollator). Commit "
            f"{_commit(prov)}, {prov['hardware']['cpus']} CPUs, load "
            f"{loads} at the runs' starts.\n\n",
-           "| batches | rows a sequence | padding | tokens/s | s a step | vs padded |\n", "|---|---|---|---|---|---|\n"]
+           "| batches | rows a sequence | padding | tokens/s | s a step | vs padded | forward+backward s | "
+           "optimizer s | rest s |\n", "|---|---|---|---|---|---|---|---|---|\n"]
     for arm in ("padded", "packed"):
         r = arms[arm]
         ratio = r["tokens_per_s"] / arms["padded"]["tokens_per_s"]
         out.append(f"| {arm} | {r['rows_per_sequence']} | {r['padding']:.1%} | {r['tokens_per_s']:.0f} | "
-                   f"{r['step_s']:.3f} | x{ratio:.2f} |\n")
+                   f"{r['step_s']:.3f} | x{ratio:.2f} | {r['forward_backward_s']:.3f} | {r['optimizer_s']:.3f} | "
+                   f"{r['rest_s']:.3f} |\n")
     out.append(f"\nThe loss logged at each of the {b['steps']} steps differs between the arms' first runs by at most "
                f"{b['max_loss_difference']:.2g} (float rounding: the same rows and label tokens).\n")
+    return "".join(out)
+
+
+def trl_bench_section(cfg) -> str:
+    b = _bench_json(cfg, "trl")
+    if b is None:
+        return "_No TRL comparison yet: run `make bench-trl`._\n"
+    prov, arms = b["provenance"], b["arms"]
+    loads = ", ".join(f"{r['load_avg_1m_at_end']:.1f}" for r in b["runs"])
+    out = [f"Reproduce: `{b['command']}`. Both arms from the SFT model: {b['steps']} optimizer steps of "
+           f"{b['batch_size']} prompts x {b['rollouts_per_example']} samples, {b['max_new_tokens']} new tokens, the "
+           f"same LR and optimizer, prompts of {', '.join(b['envs'])} in the env mix's proportions, scored by the "
+           "same environment code; TRL's GRPOTrainer with loss_type dapo, beta 0, scale_rewards none, no vLLM. Run "
+           f"{', '.join(b['order'])}, each in a process of its own; each arm's figures are the mean of its runs. "
+           "Trained completions/s over the arm's whole wall time (start-up included; steady: one step's "
+           "completions over the median step); CPU s of every process of the arm; peak RSS of the arm's main "
+           "process and of its largest child (here: the inference engine). Held-out: avg@"
+           f"{cfg.eval.samples} of the final policy on the same environments. Not equal by design: here groups "
+           "with equal rewards are filtered out and replaced (TRL trains them, at zero advantage: hence *trained* "
+           "completions, with generated ones beside), generation runs one step ahead (TRL is on-policy) in a "
+           f"process of its own on one core (TRL generates in-process on both). Commit {_commit(prov)}, "
+           f"{prov['hardware']['cpus']} CPUs, load {loads} at the runs' ends.\n\n",
+           "| arm | trained completions/s | steady | generated completions | CPU s | CPU s / trained completion | "
+           "peak RSS MB (main / child) | held-out avg (± s.e.) |\n", "|---|---|---|---|---|---|---|---|\n"]
+    for arm, name in (("recipe", "this recipe"), ("trl", "TRL GRPOTrainer")):
+        r = arms[arm]
+        out.append(f"| {name} | {r['trained_per_s']:.1f} | {r['trained_per_s_steady']:.1f} | "
+                   f"{r['generated_completions']:.0f} | {r['cpu_s']:.0f} | {r['cpu_s_per_trained']:.3f} | "
+                   f"{r['peak_rss_mb']:.0f} / {r['peak_rss_children_mb']:.0f} | {r['held_out_avg']:.3f} ± "
+                   f"{r['held_out_se']:.3f} |\n")
+    no_worse = "yes" if b["held_out_gap"] >= -b["held_out_two_se"] else "**no**"
+    out.append(f"\nThis recipe trains **x{b['speedup']:.2f}** TRL's completions a second, with "
+               f"x{arms['trl']['cpu_s_per_trained'] / arms['recipe']['cpu_s_per_trained']:.2f} fewer CPU seconds "
+               f"each; held-out difference {b['held_out_gap']:+.3f} (2 s.e. of the difference: "
+               f"{b['held_out_two_se']:.3f}; no worse within 2 s.e.: {no_worse}).\n")
     return "".join(out)
 
 
@@ -314,7 +351,22 @@ def rl_summary(rl: list[dict]) -> str:
     return (f"\nRL ({len(rl)} steps, mean {step_s:.2f} s a step after the first): {total('tool_calls')} tool "
             f"calls answered, {total('masked_samples')} samples masked (a sandbox or tool failure), "
             f"{total('reward_errors')} reward-function errors, {total('filtered_groups')} groups filtered out "
-            f"(all rewards equal), {total('stale_groups')} dropped as stale.\n" + judge)
+            f"(all rewards equal), {total('stale_groups')} dropped as stale.\n" + judge + rl_profile(rl))
+
+
+def rl_profile(rl: list[dict]) -> str:
+    """Where an RL step's time goes, on the trainer's path (runs that record publish_s and checkpoint_s)."""
+    later = [r for r in rl[1:] if "publish_s" in r]
+    if not later:
+        return ""
+    mean = lambda key: sum(r[key] for r in later) / len(later)  # noqa: E731
+    return (f"\nRL step profile (mean over steps 2-{rl[-1]['step']}, seconds): {mean('step_s'):.2f} a step on "
+            f"the trainer's path = waiting for the batch {mean('gen_wait_s'):.2f} + training {mean('train_s'):.2f} + "
+            f"publishing the weights to the engine {mean('publish_s'):.2f} + checkpoints {mean('checkpoint_s'):.2f} "
+            f"(one every few steps, averaged). Beside it: the engine generating {mean('gen_busy_s'):.2f} (its own "
+            f"process and core), the orchestrator (scoring, tool turns, batching; a thread of the trainer's process) "
+            f"{mean('orchestrator_busy_s'):.2f}."
+            "\n")
 
 
 def _read_metrics(path: Path) -> list[dict]:
@@ -459,6 +511,7 @@ def write_report(cfg) -> Path:
     parts += ["\n## Paper benchmarks\n\n", paper_section(cfg)]
     parts += ["\n## Performance: SFT batches, padded against packed\n\n", sft_bench_section(cfg)]
     parts += ["\n## Performance: asynchronous against synchronous RL\n\n", bench_section(cfg)]
+    parts += ["\n## Performance: this recipe's RL against TRL's GRPOTrainer\n\n", trl_bench_section(cfg)]
     parts += ["\n## Performance: code sandbox throughput\n\n", sandbox_section(cfg)]
     parts += ["\n## Memory over a long RL run\n\n", soak_section(cfg)]
     write_atomic(path, "".join(parts))

@@ -310,12 +310,14 @@ def sharding(model, train_cfg, world: World, use_cpu: bool) -> dict:
 
 
 def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_cpu: bool,
-                     world: World | None = None, key: str = "sft", tracking: TrainerTracking | None = None) -> Path:
+                     world: World | None = None, key: str = "sft", tracking: TrainerTracking | None = None,
+                     callbacks: list | None = None) -> Path:
     """Train to train_cfg.max_steps, resuming from the newest checkpoint; returns the final model folder.
 
     world: this rank (recipe.rl.dist.init_world) when torchrun started several; every rank calls this with the
     same arguments. key: the config section train_cfg is (`sft`, `base`), for the batch check's message.
-    tracking: logging.report_to through the Trainer's own integration (recipe.tracking); None: none."""
+    tracking: logging.report_to through the Trainer's own integration (recipe.tracking); None: none.
+    callbacks: more TrainerCallbacks (make bench-sft's timers)."""
     world = world or World()
     tracking = tracking or TrainerTracking()
     per_device = per_device_batch(train_cfg, key, world.size)
@@ -325,7 +327,7 @@ def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_
     # rank 0 alone looks and removes a damaged checkpoint; the others wait for its answer
     last = world.broadcast(last_complete_checkpoint(ckpt_dir) if world.main else None)
     resume_step = json.loads((Path(last) / "trainer_state.json").read_text())["global_step"] if last else None
-    callbacks = [StopCallback(world)]
+    callbacks = [StopCallback(world), *(callbacks or [])]
     if world.main:
         callbacks.append(MetricsCallback(MetricsLog(stage_dir / "metrics.jsonl", resume_step=resume_step)))
         if last:

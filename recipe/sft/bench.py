@@ -5,7 +5,8 @@ sft.bench_steps steps: arm `padded` one row a sequence, arm `packed` sft.rows_pe
 in turn, padded-packed-padded-packed, so that a change of the machine's load over the bench falls on both; each
 arm's figures are the mean of its two runs. Reported: the padding share of the batches, trained (non-padding)
 tokens per second (the mean tokens a step over the median step time, the first step left out), seconds a step, and the largest difference of the logged loss between the arms (the same rows
-and label tokens: the loss should agree up to float rounding). Results go to runs/<preset>/bench/sft.json and
+and label tokens: the loss should agree up to float rounding), and the parts of a step (forward and backward,
+optimizer, the rest) as its profile. Results go to runs/<preset>/bench/sft.json and
 into RESULTS.md.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 
 import torch
 from omegaconf import OmegaConf
+from transformers import TrainerCallback
 
 from recipe.data.schema import read_split
 from recipe.errors import ConfigError
@@ -29,6 +31,29 @@ from recipe.sft import chat_dataset, train_supervised
 ORDER = ("padded", "packed", "padded", "packed")
 
 
+class StepParts(TrainerCallback):
+    """Seconds of each step's parts: batch and forward-backward (step begin to the optimizer), optimizer step,
+    the rest (logging, the step's bookkeeping)."""
+
+    def __init__(self):
+        self.parts = {"forward_backward_s": [], "optimizer_s": [], "rest_s": []}
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.t = [time.perf_counter()]
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self.t.append(time.perf_counter())
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.t.append(time.perf_counter())
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.t.append(time.perf_counter())
+        if len(self.t) == 4:
+            for key, a, b in zip(self.parts, self.t, self.t[1:]):
+                self.parts[key].append(b - a)
+
+
 def bench_run(cfg, rows_per_sequence: int, dataset, base: str, out_dir) -> dict:
     """One SFT run of sft.bench_steps steps from the base model; no checkpoint before the end."""
     train_cfg = OmegaConf.merge(cfg.sft, {"max_steps": cfg.sft.bench_steps, "rows_per_sequence": rows_per_sequence,
@@ -36,17 +61,25 @@ def bench_run(cfg, rows_per_sequence: int, dataset, base: str, out_dir) -> dict:
     shutil.rmtree(out_dir, ignore_errors=True)
     model, tokenizer = load_pretrained(base, cfg.model.revision, cfg.model.dtype, cfg.model.attn_implementation)
     load = os.getloadavg()[0]
-    train_supervised(model, tokenizer, dataset, train_cfg, out_dir, use_cpu=not torch.cuda.is_available())
+    parts = StepParts()
+    train_supervised(model, tokenizer, dataset, train_cfg, out_dir, use_cpu=not torch.cuda.is_available(),
+                     callbacks=[parts])
     records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "loss" in r]
     # the median step, the first left out (warm-up): a burst of load from elsewhere moves a median little
-    times = sorted(b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steps, steps[1:]))
-    step_s = times[len(times) // 2] if len(times) % 2 else (times[len(times) // 2 - 1] + times[len(times) // 2]) / 2
+    step_s = median([b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steps, steps[1:])])
     tokens = steps[-1]["num_tokens"]
     return {"rows_per_sequence": rows_per_sequence, "steps": len(steps), "step_s": step_s,
             "seconds": steps[-1]["elapsed_s"], "tokens": tokens, "tokens_per_s": tokens / len(steps) / step_s,
             "padding": sum(r["padding"] for r in steps) / len(steps), "loss": [r["loss"] for r in steps],
+            # the median of each part over the steps after the first
+            **{key: median(v[1:]) for key, v in parts.parts.items()},
             "load_avg_1m_at_start": load}
+
+
+def median(values) -> float:
+    v = sorted(values)
+    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
 
 
 def mean(values) -> float:
@@ -76,7 +109,8 @@ def main(cfg):
         mine = [r for r in runs if r["arm"] == arm]
         arms[arm] = {"rows_per_sequence": mine[0]["rows_per_sequence"], "runs": len(mine),
                      "tokens_per_s": mean(r["tokens_per_s"] for r in mine), "step_s": mean(r["step_s"] for r in mine),
-                     "padding": mean(r["padding"] for r in mine), "tokens": mine[0]["tokens"]}
+                     "padding": mean(r["padding"] for r in mine), "tokens": mine[0]["tokens"],
+                     **{key: mean(r[key] for r in mine) for key in StepParts().parts}}
     a, b = runs[0]["loss"], runs[1]["loss"]
     out = {"steps": cfg.sft.bench_steps, "batch_size": cfg.sft.batch_size, "order": list(ORDER), "runs": runs,
            "arms": arms, "speedup": arms["packed"]["tokens_per_s"] / arms["padded"]["tokens_per_s"],

@@ -1,0 +1,71 @@
+"""`make bench-trl` (recipe.rl.bench_trl) on a tiny model and a few math rows: three runs, recipe-TRL-recipe, each in
+a process of its own, trained for the same steps of the same batch, each final policy evaluated; bench/trl.json
+and RESULTS.md's section carry the figures. What is compared is checked here, not the speed itself: on a random
+model the ratio means nothing (`make bench-trl` on the tiny preset gives it, in RESULTS.md)."""
+import json
+
+import pytest
+
+from recipe.config import load_config
+from recipe.data.schema import message, write_rows
+from recipe.runs import Stage, stage_dir, write_atomic
+from tests.fakes import save_tiny_qa_model
+
+ARGS = ["rl.bench_steps=2", "rl.batch_size=2", "rl.rollouts_per_example=2", "rl.max_new_tokens=8",
+        "rl.micro_batch_size=2", "rl.pin_cores=false", "rl.online_filter=false", "rl.gen_batch_size=4",
+        "~rl.env_mix.logic", "~rl.env_mix.code", "~rl.env_mix.tools", "rl.env_mix.math=1.0",
+        "eval.samples=2", "eval.pass_k=[1,2]", "eval.max_new_tokens=8", "eval.threads=1"]
+
+
+def math_rows(split, n):
+    return [{"id": f"{split}{i}", "env": "math", "task": "add", "split": split, "prompt": [message("user", f"Q{i}")],
+             "completion": [], "answer": str(i), "info": "{}", "difficulty": 0.0, "tools": "[]"} for i in range(n)]
+
+
+@pytest.fixture
+def sft_done(tmp_path):
+    args = [f"run_root={tmp_path / 'runs'}", *ARGS]
+    cfg = load_config(args)
+    data = stage_dir(cfg, "data")
+    files = {}
+    for split, n in (("rl", 20), ("eval", 4)):
+        files[f"{split}.parquet"] = {"rows": n, "sha256": write_rows(math_rows(split, n), data / f"{split}.parquet")}
+    write_atomic(data / "data_manifest.json", json.dumps({"files": files}))
+    save_tiny_qa_model(stage_dir(cfg, "sft") / "model")
+    for name in ("data", "base", "sft"):
+        write_atomic(stage_dir(cfg, name) / "DONE.json", json.dumps({"config_hash": Stage(cfg, name).hash}))
+    return cfg, args
+
+
+def test_bench_trl_runs_both_arms_on_the_same_work(sft_done, tmp_path, monkeypatch):
+    from recipe.rl import bench_trl
+
+    cfg, args = sft_done
+    monkeypatch.chdir(tmp_path)
+    bench_trl.main(args)
+    out = json.loads((stage_dir(cfg, "bench") / "trl.json").read_text())
+    assert [r["arm"] for r in out["runs"]] == ["recipe", "trl", "recipe"]
+    per_step = 2 * 2
+    for r in out["runs"]:
+        assert r["steps"] == 2 and r["trained_completions"] == 2 * per_step
+        assert r["generated_completions"] >= r["trained_completions"]
+        assert r["cpu_s"] > 0 and r["peak_rss_mb"] > 0 and 0 <= r["held_out_avg"] <= 1
+    # the recipe's engine is a process of its own; TRL generates in the trainer's process
+    recipe_runs = [r for r in out["runs"] if r["arm"] == "recipe"]
+    assert all(r["peak_rss_children_mb"] > 50 for r in recipe_runs)
+    assert out["envs"] == ["math"] and out["arms"]["recipe"]["runs"] == 2 and out["arms"]["trl"]["runs"] == 1
+    assert out["speedup"] == pytest.approx(out["arms"]["recipe"]["trained_per_s"] / out["arms"]["trl"]["trained_per_s"])
+    report = (tmp_path / "runs" / "RESULTS.md").read_text()
+    assert "## Performance: this recipe's RL against TRL's GRPOTrainer" in report
+    assert f"trains **x{out['speedup']:.2f}** TRL's completions a second" in report
+
+
+def test_trl_rows_follow_the_env_mix():
+    from recipe.rl.bench_trl import bench_config, trl_rows
+
+    cfg = bench_config(load_config(["rl.bench_steps=10", "rl.batch_size=16"]))
+    assert dict(cfg.rl.env_mix) == {"math": 0.3, "logic": 0.3, "code": 0.2}  # tools sits out
+    rows = [{"id": f"{e}{i}", "env": e} for e in ("math", "logic", "code", "tools") for i in range(50)]
+    chosen = trl_rows(cfg, rows)
+    counts = {e: sum(r["env"] == e for r in chosen) for e in ("math", "logic", "code", "tools")}
+    assert counts == {"math": 60, "logic": 60, "code": 40, "tools": 0}
