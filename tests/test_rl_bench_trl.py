@@ -50,9 +50,11 @@ def test_bench_trl_runs_both_arms_on_the_same_work(sft_done, tmp_path, monkeypat
         assert r["steps"] == 2 and r["trained_completions"] == 2 * per_step
         assert r["generated_completions"] >= r["trained_completions"]
         assert r["cpu_s"] > 0 and r["peak_rss_mb"] > 0 and 0 <= r["held_out_avg"] <= 1
-    # the recipe's engine is a process of its own; TRL generates in the trainer's process
-    recipe_runs = [r for r in out["runs"] if r["arm"] == "recipe"]
-    assert all(r["peak_rss_children_mb"] > 50 for r in recipe_runs)
+    # the recipe's engine is a process of its own, counted in the arm's memory; TRL generates in-process
+    for r in out["runs"]:
+        engine = r["peak_rss_engine_mb"]
+        assert (engine > 50) if r["arm"] == "recipe" else (engine == 0)
+        assert r["peak_rss_all_mb"] >= max(engine, 50)
     assert out["envs"] == ["math"] and out["arms"]["recipe"]["runs"] == 2 and out["arms"]["trl"]["runs"] == 1
     assert out["speedup"] == pytest.approx(out["arms"]["recipe"]["trained_per_s"] / out["arms"]["trl"]["trained_per_s"])
     report = (tmp_path / "runs" / "RESULTS.md").read_text()

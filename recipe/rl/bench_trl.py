@@ -17,7 +17,8 @@ What cannot be made equal, and how it is counted:
 - Processes: here the engine runs in a process of its own on one core and the trainer on the other; TRL runs
   both in one process on both cores. CPU seconds (every process of the arm) are reported beside wall time.
 
-The arms run recipe-TRL-recipe, each in a process of its own (so that its peak memory is its own), and each arm's
+The arms run recipe-TRL-recipe, each in a process of its own (so that its peak memory is its own: the RSS of the
+arm's processes, sampled every second, and the kernel's peak of its main process), and each arm's
 final policy is evaluated on the held-out rows of the same environments (avg@eval.samples, standard error over
 problems). Results go to runs/<preset>/bench/trl.json and into RESULTS.md.
 """
@@ -39,6 +40,7 @@ from omegaconf import OmegaConf
 from recipe.config import load_config
 from recipe.data.schema import read_split
 from recipe.errors import ConfigError, StageError
+from recipe.rl.soak import RSSSampler
 from recipe.runs import provenance, require_done, stage_dir, stage_main, write_atomic
 
 ENVS = ("math", "logic", "code")
@@ -158,6 +160,10 @@ def run_arm(argv: list[str], arm: str, out_dir: str, result_path: str) -> None:
     start_model = str(require_done(cfg, "sft") / "model")
     data = require_done(cfg, "data")
     per_step = rl.batch_size * rl.rollouts_per_example
+    # RSS of this process and its descendants (the engine, sandbox runs), sampled: ru_maxrss cannot tell a child's
+    # own peak from the parent's pages it was forked with
+    sampler = RSSSampler(1.0, lambda: 0, out / "rss.jsonl")
+    sampler.__enter__()
     cpu0, t0 = os.times(), time.perf_counter()
     if arm == "recipe":
         model_dir = run_rl(cfg, out, start_model)
@@ -174,8 +180,10 @@ def run_arm(argv: list[str], arm: str, out_dir: str, result_path: str) -> None:
     cpu1 = os.times()
     cpu = (cpu1.user + cpu1.system + cpu1.children_user + cpu1.children_system
            - cpu0.user - cpu0.system - cpu0.children_user - cpu0.children_system)
-    peak_self = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    peak_children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    sampler.__exit__(None, None, None)
+    peak_self = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the kernel's own peak of this process
+    peak_all = max(sum(r["rss_mb"].values()) for r in sampler.rows)
+    peak_engine = max(r["rss_mb"].get("engine", 0.0) for r in sampler.rows)
     torch.set_num_threads(cfg.eval.threads)
     engine = HFEngine.from_pretrained(str(model_dir), batch_size=cfg.eval.batch_size)
     rows = [r for r in read_split(data, "eval") if r["env"] in rl.env_mix]
@@ -185,7 +193,8 @@ def run_arm(argv: list[str], arm: str, out_dir: str, result_path: str) -> None:
         "arm": arm, "steps": steps, "trained_completions": steps * per_step, "generated_completions": generated,
         "wall_s": wall, "cpu_s": cpu, "median_step_s": median(step_s),
         "trained_per_s": steps * per_step / wall, "trained_per_s_steady": per_step / median(step_s),
-        "cpu_s_per_trained": cpu / (steps * per_step), "peak_rss_mb": peak_self, "peak_rss_children_mb": peak_children,
+        "cpu_s_per_trained": cpu / (steps * per_step), "peak_rss_mb": peak_self, "peak_rss_all_mb": peak_all,
+        "peak_rss_engine_mb": peak_engine,
         "masked_samples": masked, "held_out_avg": held_out["overall"]["avg"],
         "held_out_se": math.sqrt(sum(se ** 2 for se in env_se)) / len(env_se),
         "held_out_env": {e: v[f"avg@{cfg.eval.samples}"] for e, v in held_out["env"].items()},
@@ -218,7 +227,8 @@ def bench(cfg, argv: list[str]) -> None:
         mine = [r for r in runs if r["arm"] == arm]
         arms[arm] = {k: sum(r[k] for r in mine) / len(mine) for k in
                      ("trained_per_s", "trained_per_s_steady", "cpu_s", "cpu_s_per_trained", "wall_s",
-                      "peak_rss_mb", "peak_rss_children_mb", "held_out_avg", "held_out_se", "generated_completions")}
+                      "peak_rss_mb", "peak_rss_all_mb", "peak_rss_engine_mb", "held_out_avg", "held_out_se",
+                      "generated_completions")}
         arms[arm]["runs"] = len(mine)
     speedup = arms["recipe"]["trained_per_s"] / arms["trl"]["trained_per_s"]
     gap = arms["recipe"]["held_out_avg"] - arms["trl"]["held_out_avg"]
