@@ -33,6 +33,7 @@ import shutil
 import sys
 import time
 from pathlib import Path
+from statistics import median
 
 import torch
 from omegaconf import OmegaConf
@@ -140,10 +141,6 @@ def run_trl(cfg, out_dir: Path, start_model: str, rows: list[dict]) -> tuple[Pat
     tokenizer.save_pretrained(str(final))
     return final, steps.times, masked[0]
 
-
-def median(values: list[float]) -> float:
-    v = sorted(values)
-    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
 
 
 def run_arm(argv: list[str], arm: str, out_dir: str, result_path: str) -> None:

@@ -4,8 +4,9 @@ Both arms train the preset's SFT from the same base model on the same random bat
 sft.bench_steps steps: arm `padded` one row a sequence, arm `packed` sft.rows_per_sequence rows a sequence. They run
 in turn, padded-packed-padded-packed, so that a change of the machine's load over the bench falls on both; each
 arm's figures are the mean of its two runs. Reported: the padding share of the batches, trained (non-padding)
-tokens per second (the mean tokens a step over the median step time, the first step left out), seconds a step, and the largest difference of the logged loss between the arms (the same rows
-and label tokens: the loss should agree up to float rounding), and the parts of a step (forward and backward,
+tokens per second (the mean tokens a step over the median step time, the first step left out), seconds a step,
+the largest difference of the logged loss between the arms (the same rows and label tokens: the loss should
+agree up to float rounding), and the parts of a step (forward and backward,
 optimizer, the rest) as its profile. Results go to runs/<preset>/bench/sft.json and
 into RESULTS.md.
 """
@@ -16,6 +17,7 @@ import os
 import shutil
 import sys
 import time
+from statistics import median
 
 import torch
 from omegaconf import OmegaConf
@@ -76,10 +78,6 @@ def bench_run(cfg, rows_per_sequence: int, dataset, base: str, out_dir) -> dict:
             **{key: median(v[1:]) for key, v in parts.parts.items()},
             "load_avg_1m_at_start": load}
 
-
-def median(values) -> float:
-    v = sorted(values)
-    return v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
 
 
 def mean(values) -> float:
