@@ -38,9 +38,16 @@ from statistics import median
 import torch
 from omegaconf import OmegaConf
 
+from recipe.chat import completion_text
 from recipe.config import load_config
 from recipe.data.schema import read_split
+from recipe.envs import get_env
 from recipe.errors import ConfigError, StageError
+from recipe.eval.report import write_report
+from recipe.eval.runner import evaluate
+from recipe.inference.hf import HFEngine
+from recipe.model import load_pretrained
+from recipe.rl.loop import run_rl
 from recipe.rl.soak import RSSSampler
 from recipe.runs import provenance, require_done, stage_dir, stage_main, write_atomic
 
@@ -96,9 +103,6 @@ def run_trl(cfg, out_dir: Path, start_model: str, rows: list[dict]) -> tuple[Pat
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from recipe.chat import completion_text
-    from recipe.envs import get_env
-    from recipe.model import load_pretrained
 
     rl = cfg.rl
     torch.manual_seed(rl.seed)
@@ -145,9 +149,6 @@ def run_trl(cfg, out_dir: Path, start_model: str, rows: list[dict]) -> tuple[Pat
 
 def run_arm(argv: list[str], arm: str, out_dir: str, result_path: str) -> None:
     """One arm, in a process of its own: train, evaluate, write its figures to result_path."""
-    from recipe.eval.runner import evaluate
-    from recipe.inference.hf import HFEngine
-    from recipe.rl.loop import run_rl
 
     cfg = bench_config(load_config(argv))
     rl = cfg.rl
@@ -242,7 +243,6 @@ def bench(cfg, argv: list[str]) -> None:
            "command": f"make bench-trl PRESET={cfg.preset}" + (f' ARGS="{overrides}"' if overrides else ""),
            "provenance": provenance(cfg, "bench-trl", "", started, inputs={}, outputs={})}
     write_atomic(bench_dir / "trl.json", json.dumps(out, indent=2, sort_keys=True))
-    from recipe.eval.report import write_report
     write_report(cfg)
 
 
