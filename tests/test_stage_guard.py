@@ -223,7 +223,7 @@ def test_sigterm_stops_rl_at_a_step_with_a_checkpoint_and_the_rerun_resumes(tiny
     assert steps == list(range(1, step + 3)) and (rl_dir / "DONE.json").exists()
 
 
-SFT_ARGS = ["sft.save_steps=100000", "sft.logging_steps=1", "sft.batch_size=2", "sft.max_length=64", "sft.threads=1",
+SFT_ARGS = ["sft.save_steps=100000", "sft.logging_steps=1", "sft.batch_size=2", "sft.rows_per_sequence=2", "sft.max_length=64", "sft.threads=1",
             "sft.warmup_ratio=0"]
 
 
