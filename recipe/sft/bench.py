@@ -17,7 +17,7 @@ import os
 import shutil
 import sys
 import time
-from statistics import median
+from statistics import mean, median
 
 import torch
 from omegaconf import OmegaConf
@@ -79,10 +79,6 @@ def bench_run(cfg, rows_per_sequence: int, dataset, base: str, out_dir) -> dict:
             "load_avg_1m_at_start": load}
 
 
-
-def mean(values) -> float:
-    values = list(values)
-    return sum(values) / len(values)
 
 
 @stage_main
