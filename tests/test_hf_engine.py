@@ -1,10 +1,15 @@
-"""The hf engine's own decode loop: the logprobs it reports are the model's, and finished rows leave the batch."""
+"""The hf engine's own decode loop: the logprobs it reports are the model's, and finished rows leave the batch.
+
+The engine runs its own attention (grouped key/value heads without copies) and KV cache (written in place): the
+references below are the same model with transformers' stock sdpa and its dynamic cache."""
+import copy
+
 import pytest
 import torch
 
 from recipe.config import TinyArch
 from recipe.inference import SamplingParams
-from recipe.inference.hf import HFEngine, _inverse_cdf, _top_p
+from recipe.inference.hf import ENGINE_ATTENTION, HFEngine, _inverse_cdf, _top_p
 from recipe.chat import stop_token_ids
 from recipe.model import build_tiny_model, build_tokenizer
 
@@ -27,10 +32,17 @@ def prompts(engine):
     return [engine.tokenizer(f"{a}+{b}=")["input_ids"] for a, b in [(1, 2), (12, 34), (7, 29), (3, 3), (25, 1)]]
 
 
-def full_forward_logprobs(engine, prompt, completion, temperature):
+def stock(engine):
+    """The engine's model with transformers' own sdpa attention."""
+    model = copy.deepcopy(engine.model)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def full_forward_logprobs(model, prompt, completion, temperature):
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
-        logits = engine.model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
     return torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1)
 
 
@@ -39,8 +51,10 @@ def test_sampled_logprobs_match_an_uncached_forward_of_each_sequence(engine):
     out = engine.generate(ps, SamplingParams(max_new_tokens=24, temperature=0.7, top_p=1.0, seed=5))
     lengths = {len(c.token_ids) for c in out}
     assert len(lengths) > 1, "rows must finish at different steps for this test to mean anything"
+    assert engine.model.config._attn_implementation == ENGINE_ATTENTION
+    reference = stock(engine)
     for p, c in zip(ps, out):
-        ref = full_forward_logprobs(engine, p, c.token_ids, 0.7)
+        ref = full_forward_logprobs(reference, p, c.token_ids, 0.7)
         assert torch.allclose(ref, torch.tensor(c.logprobs), atol=1e-4)
         stopped = c.token_ids[-1] in engine.stop_ids
         assert c.finish_reason == ("stop" if stopped else "length")
@@ -49,9 +63,10 @@ def test_sampled_logprobs_match_an_uncached_forward_of_each_sequence(engine):
 
 
 def test_greedy_equals_transformers_generate(engine):
+    reference = stock(engine)
     for p in prompts(engine):
         out = engine.generate([p], SamplingParams(max_new_tokens=16, temperature=0.0, seed=0))[0]
-        ref = engine.model.generate(input_ids=torch.tensor([p]), max_new_tokens=16, do_sample=False,
+        ref = reference.generate(input_ids=torch.tensor([p]), max_new_tokens=16, do_sample=False,
                                     eos_token_id=engine.stop_ids, pad_token_id=engine.pad_id)[0, len(p):].tolist()
         n = next((j + 1 for j, t in enumerate(ref) if t in engine.stop_ids), len(ref))
         assert out.token_ids == ref[:n]
@@ -155,5 +170,5 @@ def test_top_k_keeps_the_k_likeliest_tokens_and_top_p_applies_to_what_is_left(en
         greedy = engine.generate([p], SamplingParams(max_new_tokens=8, temperature=0.0, seed=0))[0]
         one = engine.generate([p], SamplingParams(max_new_tokens=8, temperature=1.0, top_k=1, seed=3))[0]
         assert one.token_ids == greedy.token_ids
-        ref = full_forward_logprobs(engine, p, one.token_ids, 1.0)
+        ref = full_forward_logprobs(engine.model, p, one.token_ids, 1.0)
         assert torch.allclose(ref, torch.tensor(one.logprobs), atol=1e-4)
