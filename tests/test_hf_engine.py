@@ -9,9 +9,10 @@ import torch
 
 from recipe.config import TinyArch
 from recipe.inference import SamplingParams
-from recipe.inference.hf import ENGINE_ATTENTION, HFEngine, _inverse_cdf, _top_p
+from recipe.inference.hf import HFEngine, _inverse_cdf, _top_p
 from recipe.chat import stop_token_ids
 from recipe.model import build_tiny_model, build_tokenizer
+from recipe.model.attention import SDPA_GQA
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def test_sampled_logprobs_match_an_uncached_forward_of_each_sequence(engine):
     out = engine.generate(ps, SamplingParams(max_new_tokens=24, temperature=0.7, top_p=1.0, seed=5))
     lengths = {len(c.token_ids) for c in out}
     assert len(lengths) > 1, "rows must finish at different steps for this test to mean anything"
-    assert engine.model.config._attn_implementation == ENGINE_ATTENTION
+    assert engine.model.config._attn_implementation == SDPA_GQA
     reference = stock(engine)
     for p, c in zip(ps, out):
         ref = full_forward_logprobs(reference, p, c.token_ids, 0.7)

@@ -219,3 +219,22 @@ def test_activation_checkpointing_takes_the_same_step(tmp_path):
     assert max((states[0][k] - states[1][k]).abs().max().item() for k in states[0]) < 1e-6
     assert any(not torch.equal(states[0][k], v) for k, v in load_sharded(tmp_path / "start", World(), 1, "float32",
                                                                           "sdpa")[0].state_dict().items())
+
+
+def test_the_models_attention_takes_grouped_heads_as_they_are_and_trains_as_stock_sdpa():
+    """recipe.model.attention: built and loaded models run sdpa with enable_gqa on the CPU; a training step on a
+    padded batch (a mask, 2 query heads on 1 key/value head) gets the loss and gradients of transformers' sdpa."""
+    from recipe.model.attention import SDPA_GQA
+
+    ours = tiny_model()
+    assert ours.config._attn_implementation == SDPA_GQA
+    stock = copy.deepcopy(ours)
+    stock.set_attn_implementation("sdpa")
+    cfg = RLConfig(lr=1e-3, micro_batch_size=4)
+    batch = samples()
+    batch[0] = Sample([2, 3, 4, 5, 6, 7], batch[0].completion_ids, [-4.0] * 5, [1] * 5, 1.0, 0.0, 0, "math")  # longer
+    stats = [train_step(m, build_optimizer(m, cfg), [], CPU, batch, cfg, pad_id=1) for m in (ours, stock)]
+    assert abs(stats[0]["loss"] - stats[1]["loss"]) < 1e-6
+    assert abs(stats[0]["grad_norm"] - stats[1]["grad_norm"]) < 1e-5 * stats[1]["grad_norm"]
+    for (name, a), b in zip(ours.named_parameters(), stock.parameters()):
+        assert torch.allclose(a, b, atol=1e-6), name  # after the same optimizer step

@@ -15,38 +15,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
-from transformers import AttentionInterface, DynamicCache
+from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from recipe.chat import stop_token_ids
 from recipe.model import load_pretrained
+from recipe.model.attention import SDPA_GQA
 from recipe.rollout import Completion, SamplingParams
 from recipe.weights import read_weights
-
-
-# The engine's attention: sdpa, with grouped key/value heads passed as they are (enable_gqa) on the CPU too.
-# transformers copies every key/value head n_rep times before sdpa whenever there is a mask and the device is not
-# one it trusts with masked GQA; a decode step re-copies the whole cache that way, which cost about 10x the
-# attention itself on the tiny model (128 rows, 4 heads on 2). The results are the same to the last bit there.
-ENGINE_ATTENTION = "sdpa_gqa"
-
-
-def _sdpa_gqa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    if query.device.type != "cpu" or getattr(module, "num_key_value_groups", 1) == 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
-    causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                         scale=scaling, enable_gqa=True,
-                                         is_causal=query.shape[2] > 1 and attention_mask is None and causal)
-    return out.transpose(1, 2).contiguous(), None
-
-
-AttentionInterface.register(ENGINE_ATTENTION, _sdpa_gqa)
-AttentionMaskInterface.register(ENGINE_ATTENTION, sdpa_mask)
 
 
 class _PreallocatedLayer(DynamicLayer):
@@ -98,8 +74,8 @@ def _preallocated_cache(config, capacity: int) -> DynamicCache:
 class HFEngine:
     def __init__(self, model, tokenizer, stop_ids: list[int], batch_size: int = 64):
         self.model = model.eval()
-        if model.config._attn_implementation == "sdpa":
-            model.set_attn_implementation(ENGINE_ATTENTION)
+        if model.config._attn_implementation == "sdpa":  # a model built elsewhere (load_pretrained gives it already)
+            model.set_attn_implementation(SDPA_GQA)
         self.tokenizer = tokenizer
         self.stop_ids = list(stop_ids)
         self.pad_id = tokenizer.pad_token_id

@@ -19,6 +19,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, Glm4M
 from recipe import hub
 from recipe.chat import CHAT_TEMPLATE, ENDOFTEXT, SPECIAL_TOKENS, stop_token_ids
 from recipe.errors import StageError
+from recipe.model.attention import implementation
 
 
 def build_tokenizer(texts, vocab_size: int):
@@ -66,6 +67,7 @@ def build_tiny_model(arch, tokenizer, seed: int = 0):
     config = glm4moe_config(arch, vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                             eos_token_id=stop_token_ids(tokenizer))
     model = Glm4MoeForCausalLM(config)
+    model.set_attn_implementation(implementation("sdpa"))
     model.generation_config.eos_token_id = stop_token_ids(tokenizer)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model
@@ -118,6 +120,7 @@ def load_pretrained(path_or_id: str, revision: str | None = None, dtype: str = "
     weights=False: the model is built from its config on the meta device (no memory, no weights read), for a
     trainer rank that receives its shards from rank 0 (recipe.rl.dist.load_sharded)."""
     local = Path(path_or_id).exists()
+    attn_implementation = implementation(attn_implementation)
     kwargs = {}
     if local:
         check_model_folder(Path(path_or_id))
