@@ -1,4 +1,9 @@
-"""The hf engine: batched sampling with transformers' generate, returning the sampled tokens' logprobs.
+"""The hf engine: batched sampling with a transformers model, returning the sampled tokens' logprobs.
+
+Continuous batching (recipe.inference.hf.DecodeBatch): rows join the running batch between decode steps and leave
+it as they finish, as in vLLM, so a request never waits for the longest row of a batch it could have joined. The
+KV cache is written in place into buffers every row sits right-aligned in; a row that joins is prefilled on its
+own and copied in.
 
 Every row samples from a generator of its own, seeded with its own request's SamplingParams.seed: a row's tokens
 do not depend on which other rows share its batch, its position or the batch size, up to the numerics of
@@ -15,6 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
@@ -25,24 +31,21 @@ from recipe.rollout import Completion, SamplingParams
 from recipe.weights import read_weights
 
 
-class _PreallocatedLayer(DynamicLayer):
-    """A layer's KV cache written in place into buffers sized for the whole decode (prompt + max_new_tokens): the
-    dynamic cache's torch.cat re-copies the cache at every step. update() returns views of the filled part."""
+class _BufferLayer(DynamicLayer):
+    """A layer's KV cache in buffers written in place (transformers' dynamic cache re-copies the whole cache with
+    torch.cat at every step): columns [0, length) are filled, update() writes the next ones and returns views."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
         super().__init__()
-        self.capacity, self.length = capacity, 0
-
-    def lazy_initialization(self, key_states, value_states):
-        b, h, _, d = key_states.shape
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.key_buf = key_states.new_empty(b, h, self.capacity, d)
-        self.value_buf = value_states.new_empty(b, h, self.capacity, value_states.shape[-1])
+        self.key_buf, self.value_buf, self.length = keys, values, length
+        self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+
+    def lazy_initialization(self, key_states, value_states):  # the buffers come with the layer
+        pass
 
     def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
         self.key_buf[:, :, self.length:end] = key_states
         self.value_buf[:, :, self.length:end] = value_states
@@ -53,22 +56,183 @@ class _PreallocatedLayer(DynamicLayer):
     def get_seq_length(self) -> int:
         return self.length
 
-    def batch_select_indices(self, indices) -> None:
-        if self.is_initialized:  # the rows kept, filled part only: the rest of the buffers is not yet written
-            self.key_buf, self.value_buf = (_select_rows(b, indices, self.length) for b in (self.key_buf, self.value_buf))
-            self.keys, self.values = self.key_buf[:, :, :self.length], self.value_buf[:, :, :self.length]
 
-
-def _select_rows(buf, rows, length):
-    out = buf.new_empty(len(rows), *buf.shape[1:])
-    torch.index_select(buf[:, :, :length], 0, rows, out=out[:, :, :length])
-    return out
-
-
-def _preallocated_cache(config, capacity: int) -> DynamicCache:
-    cache = DynamicCache(config=config)
-    cache.layers = [_PreallocatedLayer(capacity) for _ in cache.layers]
+def _empty_cache(model, rows: int, capacity: int) -> DynamicCache:
+    """A cache of unwritten buffers for `rows` rows and `capacity` columns."""
+    cfg = model.config
+    heads = cfg.num_key_value_heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    param = next(model.parameters())
+    cache = DynamicCache(config=cfg)
+    cache.layers = [_BufferLayer(param.new_empty(rows, heads, capacity, dim), param.new_empty(rows, heads, capacity, dim),
+                                 0) for _ in cache.layers]
     return cache
+
+
+class DecodeBatch:
+    """The rows an engine decodes together, one token a step; rows join (admit) and leave (finished or dropped)
+    between steps.
+
+    Every row's keys and values sit right-aligned in the buffers: a row of length n (prompt + tokens fed back)
+    fills columns [width - n, width), the columns before it are masked, and a step writes column `width` for all
+    rows. A row that joins is prefilled on its own, then all rows are copied into new buffers laid out for the new
+    width (the longest row's) with room for every row's remaining tokens. A row that finished stays in the
+    buffers, dead (its tokens are no one's), until half the rows are dead or rows join: a forward pass costs
+    little more for a few more rows on the CPU, a copy of the cache at every step would cost more.
+    Rows share temperature, top_p and top_k (`settings`); each has its own seed and max_new_tokens. `key`: the
+    caller's name for a row.
+    """
+
+    def __init__(self, engine: "HFEngine", settings: SamplingParams):
+        self.engine, self.settings = engine, settings
+        self.device = next(engine.model.parameters()).device
+        self.stops = torch.tensor(engine.stop_ids, dtype=torch.long, device=self.device)
+        self._clear()
+
+    def _clear(self) -> None:
+        self.keys: list = []  # per buffer row; None for a dead row
+        self.tokens: list[list[int]] = []
+        self.logprobs: list[list[float]] = []
+        self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # keys+values held, per row
+        self.budgets = torch.zeros(0, dtype=torch.long, device=self.device)  # max_new_tokens, per row
+        self.generated = torch.zeros(0, dtype=torch.long, device=self.device)  # tokens sampled, per row
+        self.uniforms = torch.zeros(0, 1, device=self.device)  # each row's own draws, one a token
+        self.logits: torch.Tensor | None = None  # each row's next-token logits
+        self.cache: DynamicCache | None = None
+        self.width = 0
+        self.running = 0
+
+    def __len__(self) -> int:
+        """The rows still running."""
+        return self.running
+
+    def accepts(self, params: SamplingParams) -> bool:
+        s = self.settings
+        return (params.temperature, params.top_p, params.top_k) == (s.temperature, s.top_p, s.top_k)
+
+    @torch.no_grad()
+    def admit(self, keys: list, prompts: list[list[int]], params: list[SamplingParams]) -> None:
+        """Prefill these prompts and add them as rows (the dead rows leave at the same time)."""
+        if not keys:
+            return
+        model, device = self.engine.model, self.device
+        width = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), width), self.engine.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(input_ids)
+        for row, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
+            input_ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # each prompt starts at position 0, as in training
+        # the batch goes where the model is (a GPU: scripts/gpu_check.sh); on CPU every .to() below is a no-op
+        input_ids, mask, positions = input_ids.to(device), mask.to(device), positions.to(device)
+        cache = _empty_cache(model, len(prompts), width)
+        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                       use_cache=True).logits[:, -1].float()
+        most = max(q.max_new_tokens for q in params)
+        # every row's uniforms for every step, from its own generator, drawn when it joins (on the CPU whatever
+        # the device, so a seed draws the same uniforms on a GPU)
+        uniforms = torch.stack([F.pad(torch.rand(q.max_new_tokens, generator=torch.Generator().manual_seed(q.seed)),
+                                      (0, most - q.max_new_tokens)) for q in params]).to(device)
+        keep = [r for r, k in enumerate(self.keys) if k is not None]
+        self._select(keep)
+        self.keys += list(keys)
+        self.tokens += [[] for _ in keys]
+        self.logprobs += [[] for _ in keys]
+        self.lengths = torch.cat([self.lengths, torch.tensor([len(p) for p in prompts], device=device)])
+        self.budgets = torch.cat([self.budgets, torch.tensor([q.max_new_tokens for q in params], device=device)])
+        self.generated = torch.cat([self.generated, torch.zeros(len(keys), dtype=torch.long, device=device)])
+        cols = max(self.uniforms.shape[1], most)
+        self.uniforms = torch.cat([F.pad(self.uniforms, (0, cols - self.uniforms.shape[1])), F.pad(uniforms, (0, cols - most))])
+        self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
+        self.running += len(keys)
+        self._relayout(torch.tensor(keep, dtype=torch.long, device=device), cache, width)
+
+    def _select(self, rows: list[int]) -> None:
+        """The per-row state of these rows only (the buffers: _relayout)."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.keys = [self.keys[r] for r in rows]
+        self.tokens = [self.tokens[r] for r in rows]
+        self.logprobs = [self.logprobs[r] for r in rows]
+        self.lengths, self.budgets, self.generated = self.lengths[idx], self.budgets[idx], self.generated[idx]
+        self.uniforms = self.uniforms[idx]
+        if self.logits is not None:
+            self.logits = self.logits[idx]
+
+    def _relayout(self, keep: torch.Tensor, joining: DynamicCache | None = None, joining_width: int = 0) -> None:
+        """New buffers for the rows `keep` of the old ones (in that order) followed by those of `joining`, at the
+        width of the longest row, with room for every row's remaining tokens. Only the masked columns in view
+        are zeroed (a masked column must hold finite numbers: its weight 0 times NaN would be NaN)."""
+        width = int(self.lengths.max())
+        capacity = width + int((self.budgets - self.generated).max())
+        new = _empty_cache(self.engine.model, len(self.keys), capacity)
+        n_old, m = len(keep), min(self.width, width)
+        for layer, dst in enumerate(new.layers):
+            for name in ("key_buf", "value_buf"):
+                out = getattr(dst, name)
+                if n_old:
+                    src = getattr(self.cache.layers[layer], name)
+                    torch.index_select(src[:, :, self.width - m:self.width], 0, keep, out=out[:n_old, :, width - m:width])
+                    out[:n_old, :, :width - m].zero_()
+                if joining is not None:
+                    out[n_old:, :, width - joining_width:width] = getattr(joining.layers[layer], name)[:, :, :joining_width]
+                    out[n_old:, :, :width - joining_width].zero_()
+            dst.length = width
+            dst.keys, dst.values = dst.key_buf[:, :, :width], dst.value_buf[:, :, :width]
+        self.cache, self.width = new, width
+
+    @torch.no_grad()
+    def step(self, drop=frozenset()) -> list[tuple[object, Completion]]:
+        """Sample every running row's next token; return the rows that finished (a stop token or their
+        max_new_tokens) with their completions; the rows whose key is in `drop` stop with nothing back. Then the
+        forward pass that gives every row its next logits."""
+        s, device = self.settings, self.device
+        n = len(self.keys)
+        greedy = s.temperature <= 0
+        logp = torch.log_softmax(self.logits / (1.0 if greedy else s.temperature), dim=-1)
+        if greedy:
+            tok = logp.argmax(-1)
+        else:  # (a dead row's count stays at its last draw)
+            u = self.uniforms[torch.arange(n, device=device), self.generated.clamp(max=self.uniforms.shape[1] - 1)]
+            tok = _inverse_cdf(_top_p(_top_k(logp, s.top_k), s.top_p).exp(), u)
+        lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+        stopped = torch.isin(tok, self.stops)
+        finished = stopped | (self.generated + 1 >= self.budgets)
+        alive = torch.tensor([k is not None for k in self.keys], device=device)
+        self.generated = self.generated + alive.long()
+        out = []
+        for r, (t, l, f, st) in enumerate(zip(tok.tolist(), lp.tolist(), finished.tolist(), stopped.tolist())):
+            key = self.keys[r]
+            if key is None:
+                continue
+            if key in drop:
+                self.keys[r] = None
+                self.running -= 1
+                continue
+            self.tokens[r].append(t)
+            self.logprobs[r].append(l)
+            if f:
+                out.append((key, Completion(token_ids=self.tokens[r], logprobs=self.logprobs[r],
+                                            finish_reason="stop" if st else "length",
+                                            policy_version=self.engine.policy_version)))
+                self.keys[r] = None
+                self.running -= 1
+        if not self.running:
+            self._clear()
+            return out
+        if 2 * self.running <= n:  # half the rows are dead: drop them from the buffers
+            keep = [r for r, k in enumerate(self.keys) if k is not None]
+            tok = tok[torch.tensor(keep, dtype=torch.long, device=device)]
+            self._select(keep)
+            self._relayout(torch.tensor(keep, dtype=torch.long, device=device))
+        positions = self.lengths.clone()  # the fed token's position: the tokens before it
+        self.lengths = self.lengths + 1
+        cols = torch.arange(self.width + 1, device=device)
+        mask = (cols >= self.width + 1 - self.lengths.unsqueeze(1)).long()
+        self.logits = self.engine.model(input_ids=tok.unsqueeze(1), attention_mask=mask,
+                                        position_ids=positions.unsqueeze(1), past_key_values=self.cache,
+                                        use_cache=True).logits[:, -1].float()
+        self.width += 1
+        return out
 
 
 class HFEngine:
@@ -102,90 +266,36 @@ class HFEngine:
                       cancelled=None) -> list[Completion | None]:
         """One completion per prompt, each with its own SamplingParams (the engine process's requests).
 
-        Prompts whose settings other than the seed agree are batched together, those of similar length in one
-        batch; each row samples from its own generator, seeded with its own seed.
+        Prompts whose settings other than the seed and max_new_tokens agree are decoded together, shortest
+        prompts first, up to batch_size rows at a time, a waiting prompt joining as rows finish; each row samples
+        from its own generator, seeded with its own seed.
         `cancelled`: called between decode steps, returns the indexes of prompts to stop (a set); those rows
         leave the batch at once and get None.
         """
         groups: dict[tuple, list[int]] = {}
         for i, p in enumerate(params):
-            groups.setdefault((p.max_new_tokens, p.temperature, p.top_p, p.top_k), []).append(i)
+            groups.setdefault((p.temperature, p.top_p, p.top_k), []).append(i)
         out: list[Completion | None] = [None] * len(prompts)
         for members in groups.values():
-            order = sorted(members, key=lambda i: len(prompts[i]))
-            for start in range(0, len(order), self.batch_size):
-                idx = order[start:start + self.batch_size]
-                stop_rows = None if cancelled is None else _rows_of(idx, cancelled)
-                done = self._generate_batch([prompts[i] for i in idx], params[idx[0]], [params[i].seed for i in idx],
-                                            stop_rows)
-                for i, c in zip(idx, done):
+            waiting = sorted(members, key=lambda i: len(prompts[i]))
+            batch = DecodeBatch(self, params[members[0]])
+            gone: set[int] = set()
+            while waiting or len(batch):
+                if waiting and self.should_admit(len(batch), len(waiting)):
+                    take, waiting = waiting[:self.batch_size - len(batch)], waiting[self.batch_size - len(batch):]
+                    batch.admit(take, [prompts[i] for i in take], [params[i] for i in take])
+                if cancelled is not None:
+                    gone = cancelled() or gone
+                    waiting = [i for i in waiting if i not in gone]
+                for i, c in batch.step(drop=gone):
                     out[i] = c
         return out
 
-    def _generate_batch(self, prompts, params: SamplingParams, seeds: list[int],
-                        stop_rows=None) -> list[Completion | None]:
-        """A KV-cached decode loop that drops finished rows at every step.
-
-        transformers' generate() keeps every row until the longest is done, so one rambling sample makes the
-        whole batch pay for max_new_tokens; here a step costs only the rows still running. `stop_rows()`, asked
-        at every step, names rows cancelled meanwhile: they are dropped like finished ones and come back None.
-        """
-        width = max(len(p) for p in prompts)
-        input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros_like(input_ids)
-        for row, p in enumerate(prompts):  # left padding: every prompt ends where generation starts
-            input_ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # each prompt starts at position 0, as in training
-        # the batch goes where the model is (a GPU: scripts/gpu_check.sh); on CPU every .to() below is a no-op
-        device = next(self.model.parameters()).device
-        input_ids, mask, positions = input_ids.to(device), mask.to(device), positions.to(device)
-        greedy = params.temperature <= 0
-        # every row's uniforms for every step, from its own generator, drawn up front: one call per row a batch
-        # (on the CPU whatever the device, so a seed draws the same uniforms on a GPU)
-        uniforms = None if greedy else torch.stack(
-            [torch.rand(params.max_new_tokens, generator=torch.Generator().manual_seed(s)) for s in seeds]).to(device)
-        stops = torch.tensor(self.stop_ids, dtype=torch.long, device=device)
-        cache = _preallocated_cache(self.model.config, width + params.max_new_tokens)
-        logits = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                            past_key_values=cache, use_cache=True).logits[:, -1].float()
-        live = torch.arange(len(prompts), device=device)  # original row of each row still running
-        next_pos = positions[:, -1] + 1
-        steps = []  # (rows, tokens, logprobs) of every decode step
-        dropped: set[int] = set()  # rows cancelled while they ran
-        for t in range(params.max_new_tokens):
-            logp = torch.log_softmax(logits / (1.0 if greedy else params.temperature), dim=-1)
-            if greedy:
-                tok = logp.argmax(-1)
-            else:
-                tok = _inverse_cdf(_top_p(_top_k(logp, params.top_k), params.top_p).exp(), uniforms[live, t])
-            steps.append((live, tok, logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)))
-            running = ~torch.isin(tok, stops)
-            gone = stop_rows() if stop_rows is not None else None
-            if gone:
-                dropped |= gone
-                running &= torch.tensor([r not in dropped for r in live.tolist()], device=device)
-            if t == params.max_new_tokens - 1 or not running.any():
-                break
-            if not running.all():
-                keep = running.nonzero().squeeze(1)
-                cache.batch_select_indices(keep)
-                live, tok, mask, next_pos = live[keep], tok[keep], mask[keep], next_pos[keep]
-            mask = torch.cat([mask, torch.ones(len(live), 1, dtype=mask.dtype, device=device)], dim=1)
-            logits = self.model(input_ids=tok.unsqueeze(1), attention_mask=mask, position_ids=next_pos.unsqueeze(1),
-                                past_key_values=cache, use_cache=True).logits[:, -1].float()
-            next_pos = next_pos + 1
-        ids: list[list[int]] = [[] for _ in prompts]
-        lps: list[list[float]] = [[] for _ in prompts]
-        for rows, toks, lp in steps:
-            for r, tk, l in zip(rows.tolist(), toks.tolist(), lp.tolist()):
-                ids[r].append(tk)
-                lps[r].append(l)
-        stop_set = set(self.stop_ids)
-        return [None if r in dropped else
-                Completion(token_ids=ids[r], logprobs=lps[r],
-                           finish_reason="stop" if ids[r] and ids[r][-1] in stop_set else "length",
-                           policy_version=self.policy_version) for r in range(len(prompts))]
+    def should_admit(self, running: int, waiting: int) -> bool:
+        """Whether waiting rows join now: a join costs a prefill and a copy of the batch's cache, so rows join
+        when the batch is empty, or when a quarter of it (or every row waiting) has room."""
+        room = self.batch_size - running
+        return room > 0 and (running == 0 or room >= min(waiting, max(1, self.batch_size // 4)))
 
 
 def _top_k(logp: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -196,14 +306,6 @@ def _top_k(logp: torch.Tensor, top_k: int) -> torch.Tensor:
     kth = logp.topk(top_k, dim=-1).values[..., -1:]
     kept = logp.masked_fill(logp < kth, float("-inf"))
     return kept - kept.logsumexp(-1, keepdim=True)
-
-
-def _rows_of(idx: list[int], cancelled):
-    """stop_rows for the batch of prompts idx: the rows of those that cancelled() names (asked once a step)."""
-    def stop_rows() -> set[int]:
-        gone = cancelled()
-        return {row for row, i in enumerate(idx) if i in gone} if gone else set()
-    return stop_rows
 
 
 def _top_p(logp: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -5,8 +5,10 @@ commands in ("generate", [Request]), ("update", weights_path, version), ("cancel
 the contract's Done and Cancelled events, plus ("ready", version), ("updated", version) and ("error", traceback)
 for the client alone.
 
-Requests run first in, first out, in batches. Weights are swapped between batches, while later requests wait:
-each completion carries the policy version that wrote it. A request that waited past max_off_policy_steps
+Requests run first in, first out, continuously batched (recipe.inference.hf.DecodeBatch): between decode steps
+waiting requests join the running rows, up to batch_size, and every row that finished goes back at once (a Done
+event a step). A weight update waits until the running rows are done, and no request joins meanwhile; later
+requests wait for the new weights: each completion carries the policy version that wrote all of it. A request that waited past max_off_policy_steps
 versions is cancelled and handed back to be rescheduled (max_off_policy_steps=None: never; rl.staleness=prime_rl,
 where the orchestrator decides). A request the client cancels leaves the queue, or, when it is running, its row
 leaves the batch at the next decode step (commands are read between decode steps); nothing comes back for it.
@@ -25,7 +27,7 @@ from collections import deque
 import torch
 
 from recipe.inference.engine import Cancelled, Done, Event, Request
-from recipe.inference.hf import HFEngine
+from recipe.inference.hf import DecodeBatch, HFEngine
 from recipe.runs import release_free_memory
 
 
@@ -53,45 +55,46 @@ def _worker(model_path, threads, batch_size, max_off_policy_steps, version, cpu,
         return
     res_q.put(("ready", version))
     pending: deque[Request] = deque()
-    inbox: deque = deque()  # commands read while a batch ran, handled after it, in order
-    cancelled: set[int] = set()  # ids cancelled while the batch runs
+    held_update = None  # an update waiting for the running rows to finish
+    cancelled: set[int] = set()  # ids cancelled while their rows run
+    batch: DecodeBatch | None = None
+    busy = 0.0  # engine seconds not yet reported in a Done event
 
-    def read_cancels() -> set[int]:
-        """Between decode steps: take the commands waiting; cancels act now, the rest wait in the inbox."""
-        while True:
-            try:
-                msg = req_q.get_nowait()
-            except queue.Empty:
-                return cancelled
-            if msg[0] == "cancel":  # rows of the running batch stop now; queued requests leave after it
-                cancelled.update(msg[1])
-            inbox.append(msg)
+    def handle(msg) -> bool:
+        """One command; False on stop."""
+        nonlocal pending, held_update
+        if msg[0] == "stop":
+            return False
+        if msg[0] == "generate":
+            pending.extend(msg[1])
+        elif msg[0] == "update":
+            if batch is not None and len(batch):
+                held_update = msg
+            else:
+                update(msg)
+        elif msg[0] == "cancel":
+            drop = set(msg[1])
+            pending = deque(r for r in pending if r.id not in drop)
+            if batch is not None:
+                cancelled.update(drop & set(batch.keys))
+        return True
+
+    def update(msg) -> None:
+        engine.update_weights(msg[1], msg[2])
+        release_free_memory()  # the weights file just read: RSS stays flat over a long run
+        res_q.put(("updated", msg[2]))
 
     while True:
-        if inbox:
-            msg = inbox.popleft()
-        else:
-            try:
-                msg = req_q.get(timeout=0 if pending else 1.0)
-            except queue.Empty:
-                msg = None
-        if msg is None and os.getppid() != parent:
+        running = batch is not None and len(batch)
+        try:  # wait for a command only when there is nothing to decode
+            msg = req_q.get(timeout=0 if (running or pending) else 1.0)
+        except queue.Empty:
+            msg = None
+        if msg is None and not running and not pending and os.getppid() != parent:
             return
         while msg is not None:
-            if msg[0] == "stop":
+            if not handle(msg):
                 return
-            if msg[0] == "generate":
-                pending.extend(msg[1])
-            elif msg[0] == "update":
-                engine.update_weights(msg[1], msg[2])
-                release_free_memory()  # the weights file just read: RSS stays flat over a long run
-                res_q.put(("updated", msg[2]))
-            elif msg[0] == "cancel":
-                drop = set(msg[1])
-                pending = deque(r for r in pending if r.id not in drop)
-            if inbox:
-                msg = inbox.popleft()
-                continue
             try:
                 msg = req_q.get_nowait()
             except queue.Empty:
@@ -101,20 +104,31 @@ def _worker(model_path, threads, batch_size, max_off_policy_steps, version, cpu,
         if stale:
             pending = deque(r for r in pending if r.id not in stale)
             res_q.put(Cancelled(sorted(stale)))
-        if not pending:
-            continue
-        batch = [pending.popleft() for _ in range(min(batch_size, len(pending)))]
         t0 = time.perf_counter()
-        index = {r.id: i for i, r in enumerate(batch)}
         try:
-            outs = engine.generate_each([r.prompt_ids for r in batch], [r.params for r in batch],
-                                        cancelled=lambda: {index[i] for i in read_cancels() if i in index})
+            if held_update is None and pending:
+                if batch is None or not len(batch) and not batch.accepts(pending[0].params):
+                    batch = DecodeBatch(engine, pending[0].params)
+                joining = []
+                while pending and batch.accepts(pending[0].params) and len(batch) + len(joining) < batch_size:
+                    joining.append(pending.popleft())
+                if joining and engine.should_admit(len(batch), len(joining)):
+                    batch.admit([r.id for r in joining], [r.prompt_ids for r in joining], [r.params for r in joining])
+                else:
+                    pending.extendleft(reversed(joining))
+            if batch is not None and len(batch):
+                finished = batch.step(drop=cancelled)
+                cancelled.intersection_update(batch.keys)
+                busy += time.perf_counter() - t0
+                if finished:
+                    res_q.put(Done(finished, busy))
+                    busy = 0.0
         except Exception:
             res_q.put(("error", traceback.format_exc()))
             return
-        done = [(r.id, c) for r, c in zip(batch, outs) if c is not None and r.id not in cancelled]
-        cancelled.clear()
-        res_q.put(Done(done, time.perf_counter() - t0))  # (also when all were cancelled: the busy time counts)
+        if held_update is not None and not len(batch):
+            update(held_update)
+            held_update = None
 
 
 class HFEngineProcess:

@@ -160,25 +160,23 @@ def run_arm(argv: list[str], arm: str, out_dir: str, result_path: str) -> None:
     per_step = rl.batch_size * rl.rollouts_per_example
     # RSS of this process and its descendants (the engine, sandbox runs), sampled: ru_maxrss cannot tell a child's
     # own peak from the parent's pages it was forked with
-    sampler = RSSSampler(1.0, lambda: 0, out / "rss.jsonl")
-    sampler.__enter__()
-    cpu0, t0 = os.times(), time.perf_counter()
-    if arm == "recipe":
-        model_dir = run_rl(cfg, out, start_model)
-        records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-        step_s = [r["step_s"] for r in records[1:]]  # step 1 includes the engine's first fill
-        generated = sum(per_step + r["filtered_groups"] * rl.rollouts_per_example for r in records)
-        masked = sum(r["masked_samples"] for r in records)
-        steps = len(records)
-    else:
-        torch.set_num_threads(os.cpu_count() or 1)
-        model_dir, times, masked = run_trl(cfg, out, start_model, read_split(data, "rl"))
-        step_s, steps, generated = times[1:], len(times), len(times) * per_step
-    wall = time.perf_counter() - t0
-    cpu1 = os.times()
-    cpu = (cpu1.user + cpu1.system + cpu1.children_user + cpu1.children_system
-           - cpu0.user - cpu0.system - cpu0.children_user - cpu0.children_system)
-    sampler.__exit__(None, None, None)
+    with RSSSampler(1.0, lambda: 0, out / "rss.jsonl") as sampler:
+        cpu0, t0 = os.times(), time.perf_counter()
+        if arm == "recipe":
+            model_dir = run_rl(cfg, out, start_model)
+            records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+            step_s = [r["step_s"] for r in records[1:]]  # step 1 includes the engine's first fill
+            generated = sum(per_step + r["filtered_groups"] * rl.rollouts_per_example for r in records)
+            masked = sum(r["masked_samples"] for r in records)
+            steps = len(records)
+        else:
+            torch.set_num_threads(os.cpu_count() or 1)
+            model_dir, times, masked = run_trl(cfg, out, start_model, read_split(data, "rl"))
+            step_s, steps, generated = times[1:], len(times), len(times) * per_step
+        wall = time.perf_counter() - t0
+        cpu1 = os.times()
+        cpu = (cpu1.user + cpu1.system + cpu1.children_user + cpu1.children_system
+               - cpu0.user - cpu0.system - cpu0.children_user - cpu0.children_system)
     peak_self = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # the kernel's own peak of this process
     peak_all = max(sum(r["rss_mb"].values()) for r in sampler.rows)
     peak_engine = max(r["rss_mb"].get("engine", 0.0) for r in sampler.rows)
