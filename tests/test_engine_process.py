@@ -109,6 +109,19 @@ def test_submit_and_poll_return_one_completion_per_request_tagged_with_the_versi
     assert not any(written_by_v1(c, len(reference.tokenizer)) for c in done.values())
 
 
+def test_a_row_that_finishes_comes_back_while_the_others_of_its_batch_still_run(engine, model_dir, reference):
+    """Continuous batching: a completion goes back the step its row finishes, not when its batch is done."""
+    engine.update_weights(model_dir / "v0.safetensors", 0)
+    p = prompts(reference, 1)[0]
+    long = SamplingParams(max_new_tokens=40, temperature=1.0, seed=3)
+    # a sample of several tokens beside one of a single token: two rows of one batch (batch_size 2) that end apart
+    assert len(reference.generate_each([p], [long])[0].token_ids) > 2
+    engine.submit([Request(20, p, long, 0), Request(21, p, SamplingParams(max_new_tokens=1, temperature=1.0), 0)])
+    events, done, _ = collect(engine, [20, 21])
+    first = [rid for rid, _ in events[0].results]
+    assert first == [21] and len(done[21].token_ids) == 1
+
+
 def test_requests_older_than_max_off_policy_steps_are_cancelled_not_generated(engine, model_dir, reference):
     engine.update_weights(model_dir / "v0.safetensors", 5)
     assert engine.policy_version == 5

@@ -173,3 +173,24 @@ def test_top_k_keeps_the_k_likeliest_tokens_and_top_p_applies_to_what_is_left(en
         assert one.token_ids == greedy.token_ids
         ref = full_forward_logprobs(engine.model, p, one.token_ids, 1.0)
         assert torch.allclose(ref, torch.tensor(one.logprobs), atol=1e-4)
+
+
+def test_prompts_join_as_rows_finish_and_each_gets_what_it_gets_alone(engine):
+    """Continuous batching: three times batch_size prompts of different lengths and max_new_tokens; rows join the
+    running batch as others finish. Each completion is the one its prompt gets alone, and its logprobs are the
+    stock model's."""
+    base = prompts(engine)
+    ps = [base[i % 5] + base[(i * 3) % 5][: i % 4] for i in range(3 * engine.batch_size)]
+    params = [SamplingParams(max_new_tokens=4 + i % 9, temperature=1.0, seed=500 + i) for i in range(len(ps))]
+    together = engine.generate_each(ps, params)
+    reference = stock(engine)
+    lengths = set()
+    for p, q, c in zip(ps, params, together):
+        alone = engine.generate_each([p], [q])[0]
+        assert c.token_ids == alone.token_ids
+        assert len(c.token_ids) <= q.max_new_tokens
+        assert c.finish_reason == ("stop" if c.token_ids[-1] in engine.stop_ids else "length")
+        ref = full_forward_logprobs(reference, p, c.token_ids, 1.0)
+        assert torch.allclose(ref, torch.tensor(c.logprobs), atol=1e-4)
+        lengths.add(len(c.token_ids))
+    assert len(lengths) > 3  # rows finished at many different steps
