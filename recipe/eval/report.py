@@ -151,7 +151,9 @@ def trl_bench_section(cfg) -> str:
            f"{cfg.eval.samples} of the final policy on the same environments. Not equal by design: here groups "
            "with equal rewards are filtered out and replaced (TRL trains them, at zero advantage: hence *trained* "
            "completions, with generated ones beside), generation runs one step ahead (TRL is on-policy) in a "
-           f"process of its own on one core (TRL generates in-process on both). Commit {_commit(prov)}, "
+           "process of its own on one core (TRL generates in-process on both). Both arms run the same model code, "
+           "loaded by this project (sdpa over grouped key/value heads on the CPU: docs/performance.md). "
+           f"Commit {_commit(prov)}, "
            f"{prov['hardware']['cpus']} CPUs, load {loads} at the runs' ends.\n\n",
            "| arm | trained completions/s | steady | generated completions | CPU s | CPU s / trained completion | "
            "peak RSS MB: all / engine / main | held-out avg (± s.e.) |\n", "|---|---|---|---|---|---|---|---|\n"]
