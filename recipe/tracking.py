@@ -92,14 +92,15 @@ class Tracker:
     def _write(self, numbers: dict[str, float], step: int) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         pass
 
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        # an error fails the run; a stop request (Stopped, Ctrl-C: BaseExceptions) ends it for the next run to resume
+        self.close(failed=exc_type is not None and issubclass(exc_type, Exception))
 
 
 class TensorBoardTracker(Tracker):
@@ -114,7 +115,7 @@ class TensorBoardTracker(Tracker):
             self.writer.add_scalar(k, v, step)
         self.writer.flush()  # readable while the stage runs, and nothing lost to a kill
 
-    def close(self):
+    def close(self, failed=False):
         self.writer.close()
 
 
@@ -128,8 +129,8 @@ class WandbTracker(Tracker):
     def _write(self, numbers, step):
         self.run.log(numbers, step=step)
 
-    def close(self):
-        self.run.finish()
+    def close(self, failed=False):
+        self.run.finish(exit_code=1 if failed else 0)  # wandb shows a failed stage as failed, not finished
 
 
 class TrackioTracker(Tracker):
@@ -142,8 +143,8 @@ class TrackioTracker(Tracker):
     def _write(self, numbers, step):
         self.run.log(numbers, step=step)
 
-    def close(self):
-        self.run.finish()
+    def close(self, failed=False):
+        self.run.finish()  # (trackio's runs have no exit status)
 
 
 def open_tracker(cfg, stage: str, stage_dir) -> Tracker:

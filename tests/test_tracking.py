@@ -12,7 +12,7 @@ import pytest
 
 from recipe.config import TinyArch, TrainConfig
 from recipe.errors import ConfigError
-from recipe.runs import Stage, stage_dir
+from recipe.runs import Stage, Stopped, stage_dir
 from recipe.tracking import Tracker, TrainerTracking, open_tracker, scalars
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,6 +160,13 @@ def wandb_records(path):
     return out
 
 
+def wandb_exit_code(folder):
+    """The exit code the one offline run under a stage's tracking/ finished with."""
+    (path,) = (folder / "tracking" / "wandb").glob("offline-run-*/run-*.wandb")
+    (code,) = [r.exit.exit_code for r in wandb_records(path) if r.WhichOneof("record_type") == "exit"]
+    return code
+
+
 def wandb_run(folder):
     """(run name, config keys, history rows) of the one offline run under a stage's tracking/."""
     (path,) = (folder / "tracking" / "wandb").glob("offline-run-*/run-*.wandb")
@@ -179,6 +186,7 @@ def test_wandb_offline_run(cfg_factory, monkeypatch):
     rl = stage_dir(cfg, "rl")
     log_records(cfg, rl)
     name, config, rows = wandb_run(rl)
+    assert wandb_exit_code(rl) == 0
     assert name == "tiny-rl" and {"preset", "rl", "logging"} <= config
     assert [(r["_step"], r["reward"], r["reward_by_env/math"]) for r in rows] == \
         [(s, pytest.approx(a), pytest.approx(b)) for s, a, b in zip((1, 2, 3), *LOGGED.values())]
@@ -242,3 +250,15 @@ def test_a_missing_package_names_the_extra(cfg_factory, tmp_path, monkeypatch, b
         msg = str(e.value)
         assert f"logging.report_to={backend}" in msg and "pip install -e .[tracking]" in msg and "\n" not in msg
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_stage_that_fails_fails_its_wandb_run_and_a_stopped_one_does_not(cfg_factory, monkeypatch, tmp_path):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = cfg_factory("logging.report_to=wandb")
+    for name, error, code in (("failed", RuntimeError("boom"), 1), ("stopped", Stopped(15, "resume"), 0)):
+        folder = tmp_path / name
+        with pytest.raises(type(error)), open_tracker(cfg, "rl", folder) as tracker:
+            tracker.log(RECORDS[0], 1)
+            raise error
+        assert wandb_exit_code(folder) == code, name
