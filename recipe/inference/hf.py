@@ -221,9 +221,10 @@ class DecodeBatch:
             return out
         if 2 * self.running <= n:  # half the rows are dead: drop them from the buffers
             keep = [r for r, k in enumerate(self.keys) if k is not None]
-            tok = tok[torch.tensor(keep, dtype=torch.long, device=device)]
+            idx = torch.tensor(keep, dtype=torch.long, device=device)
+            tok = tok[idx]
             self._select(keep)
-            self._relayout(torch.tensor(keep, dtype=torch.long, device=device))
+            self._relayout(idx)
         positions = self.lengths.clone()  # the fed token's position: the tokens before it
         self.lengths = self.lengths + 1
         cols = torch.arange(self.width + 1, device=device)

@@ -8,9 +8,9 @@ for the client alone.
 Requests run first in, first out, continuously batched (recipe.inference.hf.DecodeBatch): between decode steps
 waiting requests join the running rows, up to batch_size, and every row that finished goes back at once (a Done
 event a step). A weight update waits until the running rows are done, and no request joins meanwhile; later
-requests wait for the new weights: each completion carries the policy version that wrote all of it. A request that waited past max_off_policy_steps
-versions is cancelled and handed back to be rescheduled (max_off_policy_steps=None: never; rl.staleness=prime_rl,
-where the orchestrator decides). A request the client cancels leaves the queue, or, when it is running, its row
+requests wait for the new weights: each completion carries the policy version that wrote all of it. A request
+that waited past max_off_policy_steps versions is cancelled and handed back to be rescheduled
+(max_off_policy_steps=None: never; rl.staleness=prime_rl, where the orchestrator decides). A request the client cancels leaves the queue, or, when it is running, its row
 leaves the batch at the next decode step (commands are read between decode steps); nothing comes back for it.
 """
 from __future__ import annotations
@@ -109,13 +109,10 @@ def _worker(model_path, threads, batch_size, max_off_policy_steps, version, cpu,
             if held_update is None and pending:
                 if batch is None or not len(batch) and not batch.accepts(pending[0].params):
                     batch = DecodeBatch(engine, pending[0].params)
-                joining = []
+                joining = []  # every waiting request that fits joins now (each arrives to a running batch)
                 while pending and batch.accepts(pending[0].params) and len(batch) + len(joining) < batch_size:
                     joining.append(pending.popleft())
-                if joining and engine.should_admit(len(batch), len(joining)):
-                    batch.admit([r.id for r in joining], [r.prompt_ids for r in joining], [r.params for r in joining])
-                else:
-                    pending.extendleft(reversed(joining))
+                batch.admit([r.id for r in joining], [r.prompt_ids for r in joining], [r.params for r in joining])
             if batch is not None and len(batch):
                 finished = batch.step(drop=cancelled)
                 cancelled.intersection_update(batch.keys)
