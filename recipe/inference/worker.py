@@ -10,8 +10,9 @@ waiting requests join the running rows, up to batch_size, and every row that fin
 event a step). A weight update waits until the running rows are done, and no request joins meanwhile; later
 requests wait for the new weights: each completion carries the policy version that wrote all of it. A request
 that waited past max_off_policy_steps versions is cancelled and handed back to be rescheduled
-(max_off_policy_steps=None: never; rl.staleness=prime_rl, where the orchestrator decides). A request the client cancels leaves the queue, or, when it is running, its row
-leaves the batch at the next decode step (commands are read between decode steps); nothing comes back for it.
+(max_off_policy_steps=None: never; rl.staleness=prime_rl, where the orchestrator decides). A request the client
+cancels leaves the queue, or, when it is running, its row leaves the batch at the next decode step (commands are
+read between decode steps); nothing comes back for it.
 """
 from __future__ import annotations
 
