@@ -312,6 +312,10 @@ class RLConfig:
     # recompute each decoder layer's activations in the backward (prime-rl train.toml [model.ac] freq = 1): memory
     # for 51200-token samples at the cost of a second forward; off where memory is plenty (tiny)
     activation_checkpointing: bool = False
+    # each distinct prompt's forward once a step for all its group's samples (recipe.rl.trainer.SharedPrompts:
+    # the same gradient, fewer tokens). One trainer process without activation checkpointing; ranks and
+    # activation checkpointing run every sample's prompt
+    share_prompts: bool = True
     # online filter: drop groups whose rewards are all equal (no signal). prime-rl's production run had none
     # (its buffer filter is commented out at PR 1272): such groups stay in the batch with advantage 0
     online_filter: bool = True

@@ -28,7 +28,9 @@ from recipe.rl.trainer import (build_optimizer, build_scheduler, full_state_dict
 # warmup 2: the learning rate differs between the first two steps, so a resume must restore the schedulers too;
 # micro-batches of 2 and one long sample: the token-balanced shares hold 4 and 6 samples, so one rank makes an
 # idle pass while the other makes its third
-RL_CFG = dict(lr=1e-3, warmup_steps=2, micro_batch_size=2, max_grad_norm=1.0)
+# share_prompts off: ranks run every sample whole, and the one-process reference takes the same path (the shared
+# one rounds differently; tests/test_trainer.py compares the two)
+RL_CFG = dict(lr=1e-3, warmup_steps=2, micro_batch_size=2, max_grad_norm=1.0, share_prompts=False)
 
 
 def batches(vocab: int) -> list[list[Sample]]:

@@ -194,3 +194,25 @@ def test_prompts_join_as_rows_finish_and_each_gets_what_it_gets_alone(engine):
         assert torch.allclose(ref, torch.tensor(c.logprobs), atol=1e-4)
         lengths.add(len(c.token_ids))
     assert len(lengths) > 3  # rows finished at many different steps
+
+
+def test_a_groups_samples_share_one_prefill_of_their_prompt_and_each_gets_what_it_gets_alone(engine):
+    """A group's samples (one prompt, different seeds) join together: the prompt is prefilled once, each row copies
+    its cache, and every sample is the one its prompt and seed get alone."""
+    base = prompts(engine)
+    ps = [base[0]] * 6 + [base[1]] * 5 + [base[2]]
+    params = [SamplingParams(max_new_tokens=6, temperature=1.0, seed=900 + i) for i in range(len(ps))]
+    prefill_rows = []
+    hook = engine.model.register_forward_pre_hook(
+        lambda m, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape) if kwargs["input_ids"].shape[1] > 1
+        else None, with_kwargs=True)
+    try:
+        together = engine.generate_each(ps, params)
+    finally:
+        hook.remove()
+    assert [shape[0] for shape in prefill_rows] == [3]  # three distinct prompts, one prefill
+    alone = [engine.generate_each([p], [q])[0] for p, q in zip(ps, params)]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    for c, a in zip(together, alone):
+        assert c.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+    assert len({tuple(c.token_ids) for c in together[:6]}) > 1  # the shared prompt's rows sample apart

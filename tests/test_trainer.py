@@ -189,7 +189,7 @@ def test_bf16_compute_keeps_float32_master_weights_that_a_tiny_lr_still_moves(tm
     seen = []
     model.register_forward_hook(lambda m, args, out: seen.append(out.logits.dtype))
     train_step(model, opt, build_scheduler(opt, 0), CPU, batch, cfg, tok.pad_token_id, compute_dtype=torch.bfloat16)
-    assert seen == [torch.bfloat16]  # the forward ran in bf16
+    assert seen and set(seen) == {torch.bfloat16}  # the forwards (prompts, then completions) ran in bf16
     after = model.state_dict()
     total = sum(v.numel() for v in before.values())
     moved = sum((after[k] != before[k]).sum().item() for k in before) / total
@@ -210,7 +210,7 @@ def test_activation_checkpointing_takes_the_same_step(tmp_path):
         torch.manual_seed(0)
         model, tok = load_sharded(tmp_path / "start", World(), 1, "float32", "sdpa", checkpointed)
         assert model.is_gradient_checkpointing == checkpointed
-        cfg = RLConfig(optimizer="adamw", lr=1e-3, micro_batch_size=2)
+        cfg = RLConfig(optimizer="adamw", lr=1e-3, micro_batch_size=2, share_prompts=False)  # the same path
         opt = build_optimizer(model, cfg)
         batch = [Sample([5, 6, 7], [8 + i, 9, 10, 11], [-5.0] * 4, [1] * 4, 1.0 if i % 2 else -1.0, 0.0, 0, "math")
                  for i in range(4)]
@@ -238,3 +238,37 @@ def test_the_models_attention_takes_grouped_heads_as_they_are_and_trains_as_stoc
     assert abs(stats[0]["grad_norm"] - stats[1]["grad_norm"]) < 1e-5 * stats[1]["grad_norm"]
     for (name, a), b in zip(ours.named_parameters(), stock.parameters()):
         assert torch.allclose(a, b, atol=1e-6), name  # after the same optimizer step
+
+
+def test_shared_prompts_take_the_unshared_step_with_each_prompt_run_once():
+    """rl.share_prompts: a group's samples share their prompt, whose forward runs once a step (keys, values and
+    last logits read by every completion); the loss, gradient and step are those of running every sample whole.
+    Prompts of different lengths, completions of 1 to 7 tokens, environment tokens (loss mask 0) inside. (The
+    gradients, not the weights after Adam: a key bias has a zero gradient, whose rounding noise Adam scales up.)"""
+    g = torch.Generator().manual_seed(1)
+    batch = []
+    for p, prompt in enumerate([[2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19]]):
+        for k, n in enumerate((1, 4, 7)):
+            comp = torch.randint(2, 64, (n,), generator=g).tolist()
+            mask = [0 if (n > 3 and i == 2) else 1 for i in range(n)]
+            batch.append(Sample(prompt, comp, (-3.0 - torch.rand(n, generator=g)).tolist(), mask,
+                                float(k - 1) + 0.3 * p, 0.0, 0, "math"))
+    runs = []
+    for share in (True, False):
+        model = tiny_model()
+        tokens = []
+        model.model.embed_tokens.register_forward_hook(lambda m, args, out: tokens.append(args[0].shape))
+        grads = {}
+        for name, p in model.named_parameters():
+            p.register_hook(lambda grad, name=name: grads.__setitem__(name, grads.get(name, 0) + grad))
+        cfg = RLConfig(lr=1e-3, micro_batch_size=4, share_prompts=share)
+        stats = train_step(model, build_optimizer(model, cfg), [], CPU, batch, cfg, pad_id=1)
+        runs.append((stats, grads, tokens))
+    (shared, g_shared, t_shared), (whole, g_whole, t_whole) = runs
+    assert t_shared[0] == (3, 9)  # first the three prompts, once each (padded to the longest)
+    assert sum(s.numel() for s in t_shared) < sum(s.numel() for s in t_whole)
+    assert abs(shared["loss"] - whole["loss"]) < 1e-6 and shared["loss_tokens"] == whole["loss_tokens"]
+    assert abs(shared["grad_norm"] - whole["grad_norm"]) < 1e-5 * whole["grad_norm"]
+    assert g_shared.keys() == g_whole.keys()
+    for name in g_whole:
+        assert torch.allclose(g_shared[name], g_whole[name], atol=1e-6, rtol=1e-4), name

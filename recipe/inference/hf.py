@@ -116,6 +116,10 @@ class DecodeBatch:
         if not keys:
             return
         model, device = self.engine.model, self.device
+        # a group's samples share their prompt: each distinct prompt is prefilled once, its rows copy its cache
+        distinct: dict[tuple, int] = {}
+        rows = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], device=device)
+        prompts = [list(p) for p in distinct]
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.engine.pad_id, dtype=torch.long)
         mask = torch.zeros_like(input_ids)
@@ -127,7 +131,7 @@ class DecodeBatch:
         input_ids, mask, positions = input_ids.to(device), mask.to(device), positions.to(device)
         cache = _empty_cache(model, len(prompts), width)
         logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                       use_cache=True).logits[:, -1].float()
+                       use_cache=True).logits[:, -1].float()[rows]
         most = max(q.max_new_tokens for q in params)
         # every row's uniforms for every step, from its own generator, drawn when it joins (on the CPU whatever
         # the device, so a seed draws the same uniforms on a GPU)
@@ -138,14 +142,14 @@ class DecodeBatch:
         self.keys += list(keys)
         self.tokens += [[] for _ in keys]
         self.logprobs += [[] for _ in keys]
-        self.lengths = torch.cat([self.lengths, torch.tensor([len(p) for p in prompts], device=device)])
+        self.lengths = torch.cat([self.lengths, torch.tensor([len(prompts[r]) for r in rows.tolist()], device=device)])
         self.budgets = torch.cat([self.budgets, torch.tensor([q.max_new_tokens for q in params], device=device)])
         self.generated = torch.cat([self.generated, torch.zeros(len(keys), dtype=torch.long, device=device)])
         cols = max(self.uniforms.shape[1], most)
         self.uniforms = torch.cat([F.pad(self.uniforms, (0, cols - self.uniforms.shape[1])), F.pad(uniforms, (0, cols - most))])
         self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
         self.running += len(keys)
-        self._relayout(torch.tensor(keep, dtype=torch.long, device=device), cache, width)
+        self._relayout(torch.tensor(keep, dtype=torch.long, device=device), cache, width, rows)
 
     def _select(self, rows: list[int]) -> None:
         """The per-row state of these rows only (the buffers: _relayout)."""
@@ -158,8 +162,10 @@ class DecodeBatch:
         if self.logits is not None:
             self.logits = self.logits[idx]
 
-    def _relayout(self, keep: torch.Tensor, joining: DynamicCache | None = None, joining_width: int = 0) -> None:
-        """New buffers for the rows `keep` of the old ones (in that order) followed by those of `joining`, at the
+    def _relayout(self, keep: torch.Tensor, joining: DynamicCache | None = None, joining_width: int = 0,
+                  joining_rows: torch.Tensor | None = None) -> None:
+        """New buffers for the rows `keep` of the old ones (in that order) followed by the rows `joining_rows` of
+        `joining` (a row may come more than once: prompts prefilled once for several samples), at the
         width of the longest row, with room for every row's remaining tokens. Only the masked columns in view
         are zeroed (a masked column must hold finite numbers: its weight 0 times NaN would be NaN)."""
         width = int(self.lengths.max())
@@ -174,7 +180,8 @@ class DecodeBatch:
                     torch.index_select(src[:, :, self.width - m:self.width], 0, keep, out=out[:n_old, :, width - m:width])
                     out[:n_old, :, :width - m].zero_()
                 if joining is not None:
-                    out[n_old:, :, width - joining_width:width] = getattr(joining.layers[layer], name)[:, :, :joining_width]
+                    src = getattr(joining.layers[layer], name)[:, :, :joining_width]
+                    torch.index_select(src, 0, joining_rows, out=out[n_old:, :, width - joining_width:width])
                     out[n_old:, :, :width - joining_width].zero_()
             dst.length = width
             dst.keys, dst.values = dst.key_buf[:, :, :width], dst.value_buf[:, :, :width]

@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.tensor import DTensor
+from transformers import DynamicCache
 
 from recipe.config import OptimizerKind
 from recipe.errors import StageError
@@ -115,6 +116,53 @@ def _pad(seqs: list[list], value) -> torch.Tensor:
     return torch.tensor([list(s) + [value] * (width - len(s)) for s in seqs])
 
 
+class SharedPrompts:
+    """The forward pass of a step's prompts, made once for all the samples that share them (a group's samples share
+    its prompt): each distinct prompt runs once, its keys and values (every layer) and the logits of its last token
+    become leaves that the completions' micro-batches read through a KV cache, and backward() sends the gradient
+    those leaves gathered back through the prompts' pass. The gradient is the unshared one up to float rounding:
+    the same attention, positions and tokens, each prompt token computed once instead of once a sample."""
+
+    def __init__(self, model, samples, pad_id: int, device, compute_dtype: torch.dtype | None):
+        self.model, self.device, self.compute_dtype = model, device, compute_dtype
+        self.index: dict[tuple, int] = {}
+        for s in samples:
+            self.index.setdefault(tuple(s.prompt_ids), len(self.index))
+        prompts = list(self.index)
+        self.lengths = torch.tensor([len(p) for p in prompts])
+        # right-padded: every pad query still sees its prompt's real tokens (no row of the mask is all masked)
+        ids = _pad([list(p) for p in prompts], pad_id).to(device)
+        self.mask = _pad([[1] * len(p) for p in prompts], 0).to(device)
+        positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
+        with self._autocast():
+            out = model(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True)
+        last = out.logits.gather(1, (self.lengths - 1).to(device).view(-1, 1, 1).expand(-1, 1, out.logits.shape[-1]))
+        self.outputs = [last.squeeze(1)] + [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+        self.leaves = [t.detach().requires_grad_() for t in self.outputs]
+
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype is not None)
+
+    def completion_logits(self, mb) -> torch.Tensor:
+        """[len(mb), longest completion, vocab]: the logits that predict each completion token."""
+        rows = torch.tensor([self.index[tuple(s.prompt_ids)] for s in mb], device=self.device)
+        last, kv = self.leaves[0], self.leaves[1:]
+        cache = DynamicCache(ddp_cache_data=[(kv[i][rows], kv[i + 1][rows]) for i in range(0, len(kv), 2)])
+        ids = _pad([s.completion_ids for s in mb], 0).to(self.device)
+        mask = torch.cat([self.mask[rows], _pad([[1] * len(s.completion_ids) for s in mb], 0).to(self.device)], 1)
+        positions = self.lengths.to(self.device)[rows].unsqueeze(1) + torch.arange(ids.shape[1], device=self.device)
+        with self._autocast():
+            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                                use_cache=True).logits
+        # a completion's first token is predicted by its prompt's last position, the others by the token before
+        return torch.cat([last[rows].unsqueeze(1).to(logits.dtype), logits[:, :-1]], 1)
+
+    def backward(self) -> None:
+        pairs = [(t, leaf.grad) for t, leaf in zip(self.outputs, self.leaves) if leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+
+
 STAT_KEYS = ("loss", "loss_tokens", "masked_low", "masked_high", "masked_sequence_tokens", "masked_sequences",
              "kept_tokens", "ratio_sum")  # masked_is_loss's stats, summed over micro-batches and ranks
 
@@ -129,35 +177,44 @@ def train_step(model, optimizer, schedulers, device, samples, rl_cfg, pad_id: in
     autocast = compute_dtype not in (None, torch.float32) and not world.distributed
     total_tokens = world.sum([sum(sum(s.loss_mask) for s in samples)])[0]
     # micro-batches of similar lengths pad less (a tool transcript is twice a one-line answer); the loss is a
-    # sum normalised by the step's tokens, so the grouping does not change it
-    samples = sorted(samples, key=lambda s: len(s.prompt_ids) + len(s.completion_ids))
+    # sum normalised by the step's tokens, so the grouping does not change it. Shared prompts (one process):
+    # the prompts run once before the micro-batches, which hold the completions only
+    shared = (rl_cfg.share_prompts and not world.distributed and bool(samples)
+              and not getattr(model, "is_gradient_checkpointing", False))  # (a checkpointed forward keeps no cache)
+    samples = sorted(samples, key=lambda s: len(s.completion_ids) + (0 if shared else len(s.prompt_ids)))
     batches = [samples[i:i + rl_cfg.micro_batch_size] for i in range(0, len(samples), rl_cfg.micro_batch_size)]
     # under FSDP2 each forward and backward gathers the layers' shards from every rank, so every rank makes as
     # many passes as the busiest one; the extra ones add nothing to the gradient
     idle_passes = world.max(len(batches)) - len(batches)
+    prefix = SharedPrompts(model, samples, pad_id, device, compute_dtype if autocast else None) if shared else None
     totals: dict = {}
     for mb in batches:
-        input_ids = _pad([s.prompt_ids + s.completion_ids for s in mb], pad_id)
-        attention = _pad([[1] * (len(s.prompt_ids) + len(s.completion_ids)) for s in mb], 0)
-        with torch.autocast(device.type, dtype=compute_dtype, enabled=autocast):
-            logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
-        # logits at position t predict token t+1: gather each completion's positions into [mb, T_c]
         width = max(len(s.completion_ids) for s in mb)
-        index = _pad([list(range(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + len(s.completion_ids)))
-                      for s in mb], 0).to(logits.device)
-        comp_logits = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-        targets = _pad([s.completion_ids for s in mb], pad_id).to(logits.device)
+        if prefix is not None:
+            comp_logits = prefix.completion_logits(mb)
+        else:
+            input_ids = _pad([s.prompt_ids + s.completion_ids for s in mb], pad_id)
+            attention = _pad([[1] * (len(s.prompt_ids) + len(s.completion_ids)) for s in mb], 0)
+            with torch.autocast(device.type, dtype=compute_dtype, enabled=autocast):
+                logits = model(input_ids=input_ids.to(device), attention_mask=attention.to(device)).logits
+            # logits at position t predict token t+1: gather each completion's positions into [mb, T_c]
+            index = _pad([list(range(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + len(s.completion_ids)))
+                          for s in mb], 0).to(logits.device)
+            comp_logits = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        targets = _pad([s.completion_ids for s in mb], pad_id).to(comp_logits.device)
         logp_train = completion_logprobs(comp_logits, targets, rl_cfg.temperature)
-        logp_infer = _pad([s.logprobs for s in mb], 0.0).to(logits.device).float()
-        loss_mask = _pad([s.loss_mask for s in mb], 0).to(logits.device)
+        logp_infer = _pad([s.logprobs for s in mb], 0.0).to(comp_logits.device).float()
+        loss_mask = _pad([s.loss_mask for s in mb], 0).to(comp_logits.device)
         assert logp_train.shape == (len(mb), width)
-        advantages = torch.tensor([s.advantage for s in mb], device=logits.device, dtype=torch.float32)
+        advantages = torch.tensor([s.advantage for s in mb], device=comp_logits.device, dtype=torch.float32)
         loss, stats = masked_is_loss(logp_train, logp_infer, advantages, loss_mask, total_tokens,
                                      rl_cfg.mask_ratio_low, rl_cfg.mask_ratio_high, rl_cfg.sequence_mask_low)
         loss.backward()
         stats["loss"] = float(loss.detach())
         for k, v in stats.items():
             totals[k] = totals.get(k, 0) + v
+    if prefix is not None:
+        prefix.backward()
     for _ in range(idle_passes):
         (model(input_ids=torch.full((1, 1), pad_id, device=device)).logits.sum() * 0.0).backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), rl_cfg.max_grad_norm)  # global under FSDP2
