@@ -151,7 +151,9 @@ def trl_bench_section(cfg) -> str:
            f"{cfg.eval.samples} of the final policy on the same environments. Not equal by design: here groups "
            "with equal rewards are filtered out and replaced (TRL trains them, at zero advantage: hence *trained* "
            "completions, with generated ones beside), generation runs one step ahead (TRL is on-policy) in a "
-           "process of its own on one core (TRL generates in-process on both). Both arms run the same model code, "
+           "process of its own on one core (TRL generates in-process on both); here a group's prompt is computed "
+           "once for its samples, in the engine's prefill and the trainer's forward and backward (TRL computes it "
+           "for every sample; the same gradient either way). Both arms run the same model code, "
            "loaded by this project (sdpa over grouped key/value heads on the CPU: docs/performance.md). "
            f"Commit {_commit(prov)}, "
            f"{prov['hardware']['cpus']} CPUs, load {loads} at the runs' ends.\n\n",

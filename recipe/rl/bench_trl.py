@@ -14,6 +14,8 @@ What cannot be made equal, and how it is counted:
   second, and generated completions are reported beside it.
 - Asynchrony: here the engine generates step s+1 while the trainer takes step s (max_async_level 1, samples at
   most one step stale); TRL is on-policy, generating and training in turn.
+- Shared prompts: here a group's prompt is prefilled once by the engine and run once by the trainer for all its
+  samples (rl.share_prompts; the same gradient); TRL runs it for every sample.
 - Processes: here the engine runs in a process of its own on one core and the trainer on the other; TRL runs
   both in one process on both cores. CPU seconds (every process of the arm) are reported beside wall time.
 
