@@ -64,8 +64,8 @@ def _empty_cache(model, rows: int, capacity: int) -> DynamicCache:
     dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     param = next(model.parameters())
     cache = DynamicCache(config=cfg)
-    cache.layers = [_BufferLayer(param.new_empty(rows, heads, capacity, dim), param.new_empty(rows, heads, capacity, dim),
-                                 0) for _ in cache.layers]
+    shape = (rows, heads, capacity, dim)
+    cache.layers = [_BufferLayer(param.new_empty(shape), param.new_empty(shape), 0) for _ in cache.layers]
     return cache
 
 
@@ -146,7 +146,8 @@ class DecodeBatch:
         self.budgets = torch.cat([self.budgets, torch.tensor([q.max_new_tokens for q in params], device=device)])
         self.generated = torch.cat([self.generated, torch.zeros(len(keys), dtype=torch.long, device=device)])
         cols = max(self.uniforms.shape[1], most)
-        self.uniforms = torch.cat([F.pad(self.uniforms, (0, cols - self.uniforms.shape[1])), F.pad(uniforms, (0, cols - most))])
+        self.uniforms = torch.cat([F.pad(self.uniforms, (0, cols - self.uniforms.shape[1])),
+                                   F.pad(uniforms, (0, cols - most))])
         self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
         self.running += len(keys)
         self._relayout(torch.tensor(keep, dtype=torch.long, device=device), cache, width, rows)
@@ -177,7 +178,8 @@ class DecodeBatch:
                 out = getattr(dst, name)
                 if n_old:
                     src = getattr(self.cache.layers[layer], name)
-                    torch.index_select(src[:, :, self.width - m:self.width], 0, keep, out=out[:n_old, :, width - m:width])
+                    torch.index_select(src[:, :, self.width - m:self.width], 0, keep,
+                                       out=out[:n_old, :, width - m:width])
                     out[:n_old, :, :width - m].zero_()
                 if joining is not None:
                     src = getattr(joining.layers[layer], name)[:, :, :joining_width]

@@ -137,7 +137,8 @@ class SharedPrompts:
         with self._autocast():
             out = model(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True)
         last = out.logits.gather(1, (self.lengths - 1).to(device).view(-1, 1, 1).expand(-1, 1, out.logits.shape[-1]))
-        self.outputs = [last.squeeze(1)] + [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+        kv = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
+        self.outputs = [last.squeeze(1)] + kv
         self.leaves = [t.detach().requires_grad_() for t in self.outputs]
 
     def _autocast(self):
