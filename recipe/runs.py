@@ -197,14 +197,13 @@ class Stage:
         return self.dir / "DONE.json"
 
     def is_done(self) -> bool:
-        """True when finished with this config. A finished run with another config is an error, not a redo."""
-        if not self.done_file.exists():
+        """True when finished with this config. A finished run with another config is an error, not a redo;
+        force=true redoes a finished stage under any config (the way out of an edited or damaged output too)."""
+        if not self.done_file.exists() or self.cfg.force:
             return False
         done = json.loads(self.done_file.read_text())
         if done.get("config_hash") == self.hash:
             return True
-        if self.cfg.force:
-            return False
         raise StageError(
             f"{self.name}: {self.dir} was finished with another config (hash {done.get('config_hash')}, now "
             f"{self.hash}); pass force=true to redo it, or run_root=<dir> to keep both runs")

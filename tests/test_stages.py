@@ -18,6 +18,8 @@ def test_done_only_after_finish_and_config_change_is_an_error(cfg_factory):
     with pytest.raises(StageError, match="force=true"):
         other.is_done()
     assert not Stage(cfg_factory("data.seed=7", "force=true"), "data").is_done()
+    # under the same config too: how an edited or damaged output is redone (`make data ARGS=force=true`)
+    assert not Stage(cfg_factory("force=true"), "data").is_done()
     # sections a stage does not read do not invalidate it
     assert Stage(cfg_factory("eval.samples=8"), "data").is_done()
 
