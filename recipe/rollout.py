@@ -78,6 +78,14 @@ class Transcript:
                           loss_mask=list(self.loss_mask), turns=self.turns, mask_reason=self.mask_reason)
 
 
+def distinct_prompts(prompts) -> tuple[list[list[int]], list[int]]:
+    """(each distinct prompt once, in first-seen order; for each prompt given, the index of its distinct one): a
+    group's samples share their prompt, which the engine prefills and the trainer runs once for all of them."""
+    index: dict[tuple, int] = {}
+    rows = [index.setdefault(tuple(p), len(index)) for p in prompts]
+    return [list(p) for p in index], rows
+
+
 def next_reply(env: Environment, tokenizer, transcript: Transcript, row: dict,
                room: int | None = None) -> list[int] | None:
     """Token ids of the environment's reply to the last model turn, or None when the sample is final.

@@ -27,7 +27,7 @@ from transformers.cache_utils import DynamicLayer
 from recipe.chat import stop_token_ids
 from recipe.model import load_pretrained
 from recipe.model.attention import SDPA_GQA
-from recipe.rollout import Completion, SamplingParams
+from recipe.rollout import Completion, SamplingParams, distinct_prompts
 from recipe.weights import read_weights
 
 
@@ -117,9 +117,8 @@ class DecodeBatch:
             return
         model, device = self.engine.model, self.device
         # a group's samples share their prompt: each distinct prompt is prefilled once, its rows copy its cache
-        distinct: dict[tuple, int] = {}
-        rows = torch.tensor([distinct.setdefault(tuple(p), len(distinct)) for p in prompts], device=device)
-        prompts = [list(p) for p in distinct]
+        prompts, row_of = distinct_prompts(prompts)
+        rows = torch.tensor(row_of, device=device)
         width = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), width), self.engine.pad_id, dtype=torch.long)
         mask = torch.zeros_like(input_ids)
@@ -142,7 +141,7 @@ class DecodeBatch:
         self.keys += list(keys)
         self.tokens += [[] for _ in keys]
         self.logprobs += [[] for _ in keys]
-        self.lengths = torch.cat([self.lengths, torch.tensor([len(prompts[r]) for r in rows.tolist()], device=device)])
+        self.lengths = torch.cat([self.lengths, torch.tensor([len(prompts[r]) for r in row_of], device=device)])
         self.budgets = torch.cat([self.budgets, torch.tensor([q.max_new_tokens for q in params], device=device)])
         self.generated = torch.cat([self.generated, torch.zeros(len(keys), dtype=torch.long, device=device)])
         cols = max(self.uniforms.shape[1], most)

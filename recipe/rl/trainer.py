@@ -35,6 +35,7 @@ from recipe.errors import StageError
 from recipe.rl.dist import World
 from recipe.rl.loss import completion_logprobs, masked_is_loss
 from recipe.rl.muon import Muon
+from recipe.rollout import distinct_prompts
 from recipe.runs import torch_save_problem, write_atomic
 from recipe.weights import remove_weights, write_weights
 
@@ -125,18 +126,16 @@ class SharedPrompts:
 
     def __init__(self, model, samples, pad_id: int, device, compute_dtype: torch.dtype | None):
         self.model, self.device, self.compute_dtype = model, device, compute_dtype
-        self.index: dict[tuple, int] = {}
-        for s in samples:
-            self.index.setdefault(tuple(s.prompt_ids), len(self.index))
-        prompts = list(self.index)
-        self.lengths = torch.tensor([len(p) for p in prompts])
+        prompts, rows = distinct_prompts(s.prompt_ids for s in samples)
+        self.row = {id(s): r for s, r in zip(samples, rows)}  # sample -> its prompt's row
+        self.lengths = torch.tensor([len(p) for p in prompts], device=device)
         # right-padded: every pad query still sees its prompt's real tokens (no row of the mask is all masked)
-        ids = _pad([list(p) for p in prompts], pad_id).to(device)
+        ids = _pad(prompts, pad_id).to(device)
         self.mask = _pad([[1] * len(p) for p in prompts], 0).to(device)
         positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
         with self._autocast():
             out = model(input_ids=ids, attention_mask=self.mask, position_ids=positions, use_cache=True)
-        last = out.logits.gather(1, (self.lengths - 1).to(device).view(-1, 1, 1).expand(-1, 1, out.logits.shape[-1]))
+        last = out.logits.gather(1, (self.lengths - 1).view(-1, 1, 1).expand(-1, 1, out.logits.shape[-1]))
         kv = [t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)]
         self.outputs = [last.squeeze(1)] + kv
         self.leaves = [t.detach().requires_grad_() for t in self.outputs]
@@ -146,12 +145,12 @@ class SharedPrompts:
 
     def completion_logits(self, mb) -> torch.Tensor:
         """[len(mb), longest completion, vocab]: the logits that predict each completion token."""
-        rows = torch.tensor([self.index[tuple(s.prompt_ids)] for s in mb], device=self.device)
+        rows = torch.tensor([self.row[id(s)] for s in mb], device=self.device)
         last, kv = self.leaves[0], self.leaves[1:]
         cache = DynamicCache(ddp_cache_data=[(kv[i][rows], kv[i + 1][rows]) for i in range(0, len(kv), 2)])
         ids = _pad([s.completion_ids for s in mb], 0).to(self.device)
         mask = torch.cat([self.mask[rows], _pad([[1] * len(s.completion_ids) for s in mb], 0).to(self.device)], 1)
-        positions = self.lengths.to(self.device)[rows].unsqueeze(1) + torch.arange(ids.shape[1], device=self.device)
+        positions = self.lengths[rows].unsqueeze(1) + torch.arange(ids.shape[1], device=self.device)
         with self._autocast():
             logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                                 use_cache=True).logits
