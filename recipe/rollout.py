@@ -31,7 +31,7 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]  # log-probability of each token under the sampling distribution (0 on env tokens)
     finish_reason: str = "stop"  # stop | length
-    policy_version: int = 0  # the oldest policy that wrote any of its tokens
+    policy_version: int = 0  # hf engine: the version it started under; vLLM client: the one when it came back
     loss_mask: list[int] | None = None  # 1 = written by the model (trained), 0 = written by the environment
     turns: int = 1  # model turns
     mask_reason: str | None = None  # set when the sample cannot be judged (a tool failed): it is masked

@@ -152,7 +152,8 @@ def test_weights_are_swapped_between_batches_and_completions_carry_the_version_t
     for c in after.values():  # submitted after it: version 1, the zeroed head's tokens
         assert c.policy_version == 1 and written_by_v1(c, vocab)
 
-    # an update sent while requests wait: each batch is written by one set of weights and says which
+    # an update sent while requests wait or run: a row that joined under v0 says v0, and its tokens are v0's
+    # up to the update, then v1's (greedy under v1: the stop token at once); a row that joined after says v1
     engine.update_weights(model_dir / "v0.safetensors", 0)
     ids = list(range(40, 46))
     engine.submit([Request(rid, ps[rid % 4], GREEDY, 0) for rid in ids])  # three batches of two
@@ -160,14 +161,43 @@ def test_weights_are_swapped_between_batches_and_completions_carry_the_version_t
     engine.submit([Request(46, ps[0], GREEDY, 1), Request(47, ps[1], GREEDY, 1)])
     events, done, cancelled = collect(engine, ids + [46, 47])
     assert not cancelled  # one version behind is within max_off_policy_steps
-    for e in events:
-        assert len({c.policy_version for _, c in e.results}) == 1, "a batch mixed two policies"
     for rid, c in done.items():
-        if c.policy_version == 0:
-            assert c.token_ids == expected_v0[tuple(ps[rid % 4])]
+        if c.policy_version == 1:
+            assert written_by_v1(c, vocab)
         else:
-            assert c.policy_version == 1 and written_by_v1(c, vocab)
+            v0 = expected_v0[tuple(ps[rid % 4])]
+            assert c.policy_version == 0 and len(c.token_ids) >= 1
+            assert c.token_ids == v0 or (c.token_ids[:-1] == v0[:len(c.token_ids) - 1] and c.token_ids[-1] == 0
+                                         and c.logprobs[-1] == pytest.approx(-math.log(vocab), abs=1e-5))
     assert done[46].policy_version == done[47].policy_version == 1
+
+
+def test_an_update_is_loaded_between_decode_steps_while_a_row_runs(engine, model_dir, reference):
+    """In-flight weights, as vLLM loads prime-rl's update_weights between engine steps: an update sent while a row
+    runs is loaded at the next decode step. The row's tokens are v0's up to there, then v1's (logprob -log(vocab)
+    each: every logit 0); its completion carries v0, the version it started under."""
+    vocab = len(reference.tokenizer)
+    p = prompts(reference, 1)[0]
+    long = SamplingParams(max_new_tokens=100, temperature=1.0, seed=5)
+    alone = reference.generate_each([p], [long])[0]
+    assert len(alone.token_ids) == 100  # no stop under v0: the row runs 100 steps
+    for attempt in range(3):  # the update must reach the engine within those steps: under load, try again
+        engine.update_weights(model_dir / "v0.safetensors", 0)
+        long_id, short_id = 60 + 2 * attempt, 61 + 2 * attempt
+        engine.submit([Request(long_id, p, long, 0), Request(short_id, p, SamplingParams(max_new_tokens=1), 0)])
+        _, done, _ = collect(engine, [short_id])  # one step in: the long row runs on
+        engine.update_weights(model_dir / "v1.safetensors", 1)
+        _, done, _ = collect(engine, [long_id])
+        c = done[long_id]
+        by_v1 = [lp == pytest.approx(-math.log(vocab), abs=1e-5) for lp in c.logprobs]
+        if any(by_v1):
+            break
+    assert any(by_v1), "the update waited for the row to finish"
+    assert c.policy_version == 0
+    switch = by_v1.index(True)
+    assert 0 < switch and all(by_v1[switch:]), "the row went from v0's tokens to v1's once"
+    assert c.token_ids[:switch] == alone.token_ids[:switch]
+    assert c.logprobs[:switch] == pytest.approx(alone.logprobs[:switch], abs=1e-4)
 
 
 def test_rows_cancelled_between_decode_steps_leave_the_batch_and_come_back_none(reference):

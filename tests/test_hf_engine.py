@@ -216,3 +216,35 @@ def test_a_groups_samples_share_one_prefill_of_their_prompt_and_each_gets_what_i
     for c, a in zip(together, alone):
         assert c.logprobs == pytest.approx(a.logprobs, abs=1e-5)
     assert len({tuple(c.token_ids) for c in together[:6]}) > 1  # the shared prompt's rows sample apart
+
+
+def test_rows_that_join_a_running_batch_take_free_slots_in_place_and_each_gets_what_it_gets_alone(engine):
+    """A row that joins goes into a finished row's slot, or a spare row of the buffers, without moving the others
+    (one layout of the cache for the whole run here); every completion is the one its prompt gets alone, and the
+    stock model's logprobs."""
+    from recipe.inference.hf import DecodeBatch
+    base = prompts(engine)
+    ps = [base[i % 5] + base[(i * 3) % 5][: i % 3] for i in range(40)]
+    params = [SamplingParams(max_new_tokens=3 + i % 11, temperature=1.0, seed=700 + i) for i in range(len(ps))]
+    batch = DecodeBatch(engine, params[0])
+    first = 6
+    batch.admit(list(range(first)), ps[:first], params[:first])
+    waiting = list(range(first, len(ps)))
+    out, joined_in_place, steps = {}, 0, 0
+    while waiting or len(batch):
+        if waiting and steps % 2 and batch.width >= max(len(ps[i]) for i in waiting[:3]):
+            take, waiting = waiting[:3], waiting[3:]
+            before = (batch.relayouts, [r for r, k in enumerate(batch.keys) if k is not None])
+            batch.admit(take, [ps[i] for i in take], [params[i] for i in take])
+            if batch.relayouts == before[0]:
+                joined_in_place += 1
+                assert [r for r, k in enumerate(batch.keys) if k is not None and k not in take] == before[1]
+        out.update(batch.step())
+        steps += 1
+    assert joined_in_place >= 5 and joined_in_place > batch.relayouts
+    reference = stock(engine)
+    for i, (p, q) in enumerate(zip(ps, params)):
+        alone = engine.generate_each([p], [q])[0]
+        assert out[i].token_ids == alone.token_ids
+        ref = full_forward_logprobs(reference, p, out[i].token_ids, 1.0)
+        assert torch.allclose(ref, torch.tensor(out[i].logprobs), atol=1e-4)

@@ -33,28 +33,34 @@ from recipe.weights import read_weights
 
 class _BufferLayer(DynamicLayer):
     """A layer's KV cache in buffers written in place (transformers' dynamic cache re-copies the whole cache with
-    torch.cat at every step): columns [0, length) are filled, update() writes the next ones and returns views."""
+    torch.cat at every step). Rows [0, rows) and columns [start, length) are in view: update() writes the next
+    columns of those rows and returns the views. Rows and columns past them are room for rows that join."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, length: int):
         super().__init__()
-        self.key_buf, self.value_buf, self.length = keys, values, length
+        self.key_buf, self.value_buf = keys, values
+        self.rows, self.start, self.length = keys.shape[0], 0, length
         self.dtype, self.device = keys.dtype, keys.device
         self.is_initialized = True
-        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+        self.view()
 
     def lazy_initialization(self, key_states, value_states):  # the buffers come with the layer
         pass
 
+    def view(self) -> None:
+        self.keys = self.key_buf[:self.rows, :, self.start:self.length]
+        self.values = self.value_buf[:self.rows, :, self.start:self.length]
+
     def update(self, key_states, value_states, *args, **kwargs):
         end = self.length + key_states.shape[-2]
-        self.key_buf[:, :, self.length:end] = key_states
-        self.value_buf[:, :, self.length:end] = value_states
+        self.key_buf[:self.rows, :, self.length:end] = key_states
+        self.value_buf[:self.rows, :, self.length:end] = value_states
         self.length = end
-        self.keys, self.values = self.key_buf[:, :, :end], self.value_buf[:, :, :end]
+        self.view()
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return self.length
+        return self.length - self.start
 
 
 def _empty_cache(model, rows: int, capacity: int) -> DynamicCache:
@@ -75,24 +81,31 @@ class DecodeBatch:
 
     Every row's keys and values sit right-aligned in the buffers: a row of length n (prompt + tokens fed back)
     fills columns [width - n, width), the columns before it are masked, and a step writes column `width` for all
-    rows. A row that joins is prefilled on its own, then all rows are copied into new buffers laid out for the new
-    width (the longest row's) with room for every row's remaining tokens. A row that finished stays in the
-    buffers, dead (its tokens are no one's), until half the rows are dead or rows join: a forward pass costs
-    little more for a few more rows on the CPU, a copy of the cache at every step would cost more.
-    Rows share temperature, top_p and top_k (`settings`); each has its own seed and max_new_tokens. `key`: the
-    caller's name for a row.
+    rows. Attention reads columns from the start of the oldest running row (`start`) to `width`.
+    A row that joins is prefilled (each distinct prompt once) and copied in place, into the slot of a finished row
+    or a spare row of the buffers, when the buffers have the room (its prompt fits before `width`, its
+    max_new_tokens after it): no other row moves. Otherwise, and when half the rows are dead, every running row is
+    copied into new buffers laid out for the longest row, with room for the engine's batch_size rows and the
+    columns of `max_new_tokens` more steps than the rows need. A finished row stays in the buffers, dead (its
+    tokens are no one's), until a row takes its slot or the buffers are laid out again: a forward pass costs
+    little more for a few more rows on the CPU, a copy of the cache would cost more.
+    Rows share temperature, top_p and top_k (`settings`); each has its own seed and max_new_tokens, and the
+    policy version of the weights when it joined (weights can change while it runs: HFEngine.update_weights).
+    `key`: the caller's name for a row.
     """
 
     def __init__(self, engine: "HFEngine", settings: SamplingParams):
         self.engine, self.settings = engine, settings
         self.device = next(engine.model.parameters()).device
         self.stops = torch.tensor(engine.stop_ids, dtype=torch.long, device=self.device)
+        self.relayouts = 0  # full copies of the cache (tests, benches)
         self._clear()
 
     def _clear(self) -> None:
         self.keys: list = []  # per buffer row; None for a dead row
         self.tokens: list[list[int]] = []
         self.logprobs: list[list[float]] = []
+        self.versions: list[int] = []  # the policy version each row joined under
         self.lengths = torch.zeros(0, dtype=torch.long, device=self.device)  # keys+values held, per row
         self.budgets = torch.zeros(0, dtype=torch.long, device=self.device)  # max_new_tokens, per row
         self.generated = torch.zeros(0, dtype=torch.long, device=self.device)  # tokens sampled, per row
@@ -100,6 +113,7 @@ class DecodeBatch:
         self.logits: torch.Tensor | None = None  # each row's next-token logits
         self.cache: DynamicCache | None = None
         self.width = 0
+        self.start = 0
         self.running = 0
 
     def __len__(self) -> int:
@@ -112,7 +126,8 @@ class DecodeBatch:
 
     @torch.no_grad()
     def admit(self, keys: list, prompts: list[list[int]], params: list[SamplingParams]) -> None:
-        """Prefill these prompts and add them as rows (the dead rows leave at the same time)."""
+        """Prefill these prompts and add them as rows: in place when the buffers have the room, else with the
+        running rows laid out again (the dead rows leave then)."""
         if not keys:
             return
         model, device = self.engine.model, self.device
@@ -136,20 +151,60 @@ class DecodeBatch:
         # the device, so a seed draws the same uniforms on a GPU)
         uniforms = torch.stack([F.pad(torch.rand(q.max_new_tokens, generator=torch.Generator().manual_seed(q.seed)),
                                       (0, most - q.max_new_tokens)) for q in params]).to(device)
-        keep = [r for r, k in enumerate(self.keys) if k is not None]
-        self._select(keep)
-        self.keys += list(keys)
-        self.tokens += [[] for _ in keys]
-        self.logprobs += [[] for _ in keys]
-        self.lengths = torch.cat([self.lengths, torch.tensor([len(prompts[r]) for r in row_of], device=device)])
-        self.budgets = torch.cat([self.budgets, torch.tensor([q.max_new_tokens for q in params], device=device)])
-        self.generated = torch.cat([self.generated, torch.zeros(len(keys), dtype=torch.long, device=device)])
-        cols = max(self.uniforms.shape[1], most)
-        self.uniforms = torch.cat([F.pad(self.uniforms, (0, cols - self.uniforms.shape[1])),
-                                   F.pad(uniforms, (0, cols - most))])
-        self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
+        lengths = torch.tensor([len(prompts[r]) for r in row_of], device=device)
+        budgets = torch.tensor([q.max_new_tokens for q in params], device=device)
+        slots = self._slots(len(keys), width, most)
+        if slots is None:  # no room: the running rows, then these, in new buffers
+            keep = [r for r, k in enumerate(self.keys) if k is not None]
+            self._select(keep)
+            slots = list(range(len(keep), len(keep) + len(keys)))
+        else:
+            keep = None
+        self._grow(max(slots) + 1, most)
+        at = torch.tensor(slots, dtype=torch.long, device=device)
+        for slot, key in zip(slots, keys):
+            self.keys[slot], self.tokens[slot], self.logprobs[slot] = key, [], []
+            self.versions[slot] = self.engine.policy_version
+        self.lengths[at], self.budgets[at], self.generated[at] = lengths, budgets, 0
+        self.uniforms[at] = F.pad(uniforms, (0, self.uniforms.shape[1] - most))
+        self.logits[at] = logits
         self.running += len(keys)
-        self._relayout(torch.tensor(keep, dtype=torch.long, device=device), cache, width, rows)
+        if keep is None:
+            self._copy_in(at, cache, width, rows)
+        else:
+            self._relayout(torch.tensor(keep, dtype=torch.long, device=device), cache, width, rows)
+
+    def _slots(self, n: int, prompt_width: int, most: int) -> list[int] | None:
+        """Where n rows of prompts up to prompt_width tokens and up to `most` new tokens go in place: dead rows'
+        slots first, then spare rows of the buffers; None when the buffers have not the room."""
+        if self.cache is None or not self.running:
+            return None
+        layer = self.cache.layers[0]
+        if prompt_width > self.width or self.width + most > layer.key_buf.shape[2]:
+            return None
+        free = [r for r, k in enumerate(self.keys) if k is None][:n]
+        free += range(len(self.keys), len(self.keys) + n - len(free))
+        return free if free[-1] < layer.key_buf.shape[0] else None
+
+    def _grow(self, rows: int, cols: int) -> None:
+        """Per-row state for `rows` rows and uniforms for `cols` steps (new rows dead until admit fills them)."""
+        extra = rows - len(self.keys)
+        if extra > 0:
+            device = self.device
+            self.keys += [None] * extra
+            self.tokens += [[] for _ in range(extra)]
+            self.logprobs += [[] for _ in range(extra)]
+            self.versions += [0] * extra
+            zeros = torch.zeros(extra, dtype=torch.long, device=device)
+            self.lengths = torch.cat([self.lengths, zeros])
+            self.budgets = torch.cat([self.budgets, zeros])
+            self.generated = torch.cat([self.generated, zeros])
+            self.uniforms = torch.cat([self.uniforms, self.uniforms.new_zeros(extra, self.uniforms.shape[1])])
+            vocab = self.engine.model.config.vocab_size
+            logits = torch.zeros(extra, vocab, device=device)
+            self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
+        if cols > self.uniforms.shape[1]:
+            self.uniforms = F.pad(self.uniforms, (0, cols - self.uniforms.shape[1]))
 
     def _select(self, rows: list[int]) -> None:
         """The per-row state of these rows only (the buffers: _relayout)."""
@@ -157,20 +212,43 @@ class DecodeBatch:
         self.keys = [self.keys[r] for r in rows]
         self.tokens = [self.tokens[r] for r in rows]
         self.logprobs = [self.logprobs[r] for r in rows]
+        self.versions = [self.versions[r] for r in rows]
         self.lengths, self.budgets, self.generated = self.lengths[idx], self.budgets[idx], self.generated[idx]
         self.uniforms = self.uniforms[idx]
         if self.logits is not None:
             self.logits = self.logits[idx]
 
+    def _copy_in(self, slots: torch.Tensor, joining: DynamicCache, joining_width: int,
+                 joining_rows: torch.Tensor) -> None:
+        """The rows `joining_rows` of `joining` into the buffers' rows `slots`, ending at column `width`; the
+        columns before them zeroed (a masked column must hold finite numbers: its weight 0 times NaN is NaN)."""
+        lo = self.width - joining_width
+        for layer, dst in zip(joining.layers, self.cache.layers):
+            for name in ("key_buf", "value_buf"):
+                out = getattr(dst, name)
+                out[:, :, lo:self.width].index_copy_(0, slots, getattr(layer, name)[:, :, :joining_width][joining_rows])
+                out[:, :, :lo].index_fill_(0, slots, 0)
+        self._set_view()
+
+    def _set_view(self) -> None:
+        """The cache's views: every row of the batch, columns from the oldest running row's start."""
+        alive = torch.tensor([k is not None for k in self.keys], device=self.device)
+        self.start = int((self.width - self.lengths[alive]).min()) if self.running else self.width
+        for layer in self.cache.layers:
+            layer.rows, layer.start, layer.length = len(self.keys), self.start, self.width
+            layer.view()
+
     def _relayout(self, keep: torch.Tensor, joining: DynamicCache | None = None, joining_width: int = 0,
                   joining_rows: torch.Tensor | None = None) -> None:
         """New buffers for the rows `keep` of the old ones (in that order) followed by the rows `joining_rows` of
         `joining` (a row may come more than once: prompts prefilled once for several samples), at the
-        width of the longest row, with room for every row's remaining tokens. Only the masked columns in view
-        are zeroed (a masked column must hold finite numbers: its weight 0 times NaN would be NaN)."""
+        width of the longest row, with room for the engine's batch_size rows and every row's remaining tokens
+        plus max_new_tokens more columns (rows that join later). Only the masked columns in view are zeroed."""
+        self.relayouts += 1
         width = int(self.lengths.max())
-        capacity = width + int((self.budgets - self.generated).max())
-        new = _empty_cache(self.engine.model, len(self.keys), capacity)
+        most = int(self.budgets.max())
+        capacity = width + int((self.budgets - self.generated).max()) + most
+        new = _empty_cache(self.engine.model, max(len(self.keys), self.engine.batch_size), capacity)
         n_old, m = len(keep), min(self.width, width)
         for layer, dst in enumerate(new.layers):
             for name in ("key_buf", "value_buf"):
@@ -182,11 +260,11 @@ class DecodeBatch:
                     out[:n_old, :, :width - m].zero_()
                 if joining is not None:
                     src = getattr(joining.layers[layer], name)[:, :, :joining_width]
-                    torch.index_select(src, 0, joining_rows, out=out[n_old:, :, width - joining_width:width])
-                    out[n_old:, :, :width - joining_width].zero_()
-            dst.length = width
-            dst.keys, dst.values = dst.key_buf[:, :, :width], dst.value_buf[:, :, :width]
+                    n = len(joining_rows)
+                    torch.index_select(src, 0, joining_rows, out=out[n_old:n_old + n, :, width - joining_width:width])
+                    out[n_old:n_old + n, :, :width - joining_width].zero_()
         self.cache, self.width = new, width
+        self._set_view()
 
     @torch.no_grad()
     def step(self, drop=frozenset()) -> list[tuple[object, Completion]]:
@@ -207,7 +285,7 @@ class DecodeBatch:
         finished = stopped | (self.generated + 1 >= self.budgets)
         alive = torch.tensor([k is not None for k in self.keys], device=device)
         self.generated = self.generated + alive.long()
-        out = []
+        out, running = [], self.running
         for r, (t, l, f, st) in enumerate(zip(tok.tolist(), lp.tolist(), finished.tolist(), stopped.tolist())):
             key = self.keys[r]
             if key is None:
@@ -221,7 +299,7 @@ class DecodeBatch:
             if f:
                 out.append((key, Completion(token_ids=self.tokens[r], logprobs=self.logprobs[r],
                                             finish_reason="stop" if st else "length",
-                                            policy_version=self.engine.policy_version)))
+                                            policy_version=self.versions[r])))
                 self.keys[r] = None
                 self.running -= 1
         if not self.running:
@@ -233,9 +311,11 @@ class DecodeBatch:
             tok = tok[idx]
             self._select(keep)
             self._relayout(idx)
+        elif self.running < running:
+            self._set_view()  # a row that left may have been the oldest: attention starts later
         positions = self.lengths.clone()  # the fed token's position: the tokens before it
         self.lengths = self.lengths + 1
-        cols = torch.arange(self.width + 1, device=device)
+        cols = torch.arange(self.start, self.width + 1, device=device)
         mask = (cols >= self.width + 1 - self.lengths.unsqueeze(1)).long()
         self.logits = self.engine.model(input_ids=tok.unsqueeze(1), attention_mask=mask,
                                         position_ids=positions.unsqueeze(1), past_key_values=self.cache,

@@ -7,8 +7,10 @@ for the client alone.
 
 Requests run first in, first out, continuously batched (recipe.inference.hf.DecodeBatch): between decode steps
 waiting requests join the running rows, up to batch_size, and every row that finished goes back at once (a Done
-event a step). A weight update waits until the running rows are done, and no request joins meanwhile; later
-requests wait for the new weights: each completion carries the policy version that wrote all of it. A request
+event a step). A weight update is loaded between two decode steps, as soon as it is read, while rows run (as
+vLLM runs prime-rl's update_weights between engine steps): a running row's next tokens come from the new
+weights, their logprobs too (the trainer's importance ratio is taken token by token), and its completion carries
+the version it started under, the oldest that wrote any of it. A request
 that waited past max_off_policy_steps versions is cancelled and handed back to be rescheduled
 (max_off_policy_steps=None: never; rl.staleness=prime_rl, where the orchestrator decides). A request the client
 cancels leaves the queue, or, when it is running, its row leaves the batch at the next decode step (commands are
@@ -56,34 +58,27 @@ def _worker(model_path, threads, batch_size, max_off_policy_steps, version, cpu,
         return
     res_q.put(("ready", version))
     pending: deque[Request] = deque()
-    held_update = None  # an update waiting for the running rows to finish
     cancelled: set[int] = set()  # ids cancelled while their rows run
     batch: DecodeBatch | None = None
     busy = 0.0  # engine seconds not yet reported in a Done event
 
     def handle(msg) -> bool:
         """One command; False on stop."""
-        nonlocal pending, held_update
+        nonlocal pending
         if msg[0] == "stop":
             return False
         if msg[0] == "generate":
             pending.extend(msg[1])
         elif msg[0] == "update":
-            if batch is not None and len(batch):
-                held_update = msg
-            else:
-                update(msg)
+            engine.update_weights(msg[1], msg[2])
+            release_free_memory()  # the weights file just read: RSS stays flat over a long run
+            res_q.put(("updated", msg[2]))
         elif msg[0] == "cancel":
             drop = set(msg[1])
             pending = deque(r for r in pending if r.id not in drop)
             if batch is not None:
                 cancelled.update(drop & set(batch.keys))
         return True
-
-    def update(msg) -> None:
-        engine.update_weights(msg[1], msg[2])
-        release_free_memory()  # the weights file just read: RSS stays flat over a long run
-        res_q.put(("updated", msg[2]))
 
     while True:
         running = batch is not None and len(batch)
@@ -107,7 +102,7 @@ def _worker(model_path, threads, batch_size, max_off_policy_steps, version, cpu,
             res_q.put(Cancelled(sorted(stale)))
         t0 = time.perf_counter()
         try:
-            if held_update is None and pending:
+            if pending:
                 if batch is None or not len(batch) and not batch.accepts(pending[0].params):
                     batch = DecodeBatch(engine, pending[0].params)
                 joining = []  # every waiting request that fits joins now (each arrives to a running batch)
@@ -124,9 +119,6 @@ def _worker(model_path, threads, batch_size, max_off_policy_steps, version, cpu,
         except Exception:
             res_q.put(("error", traceback.format_exc()))
             return
-        if held_update is not None and not len(batch):
-            update(held_update)
-            held_update = None
 
 
 class HFEngineProcess:
