@@ -381,8 +381,9 @@ class HFEngine:
         return out
 
     def should_admit(self, running: int, waiting: int) -> bool:
-        """Whether waiting rows join now: a join costs a prefill and a copy of the batch's cache, so rows join
-        when the batch is empty, or when a quarter of it (or every row waiting) has room."""
+        """Whether waiting rows join now: a join costs a forward pass of its prompts (and a copy of the batch's
+        cache when the buffers have no room), so rows join when the batch is empty, or when a quarter of it (or
+        every row waiting) has room."""
         room = self.batch_size - running
         return room > 0 and (running == 0 or room >= min(waiting, max(1, self.batch_size // 4)))
 
