@@ -99,6 +99,42 @@ def test_code_verdicts_are_reused_for_a_repeated_program(monkeypatch):
     assert len(calls) == 3
 
 
+def test_a_program_its_group_repeats_runs_once_though_the_samples_are_scored_at_the_same_time(monkeypatch):
+    """The orchestrator scores a group's samples in several threads (rollout.score_in_threads): samples that
+    repeat a program wait for its one run rather than each starting a sandbox; a failed run is not shared, each
+    sample that waited on it tries again."""
+    import time
+
+    import recipe.envs.code as code_env
+    from recipe.envs import get_env
+    from recipe.rollout import score_in_threads
+
+    calls = []
+
+    class Report:
+        passed, total, sandbox_error = 1, 1, None
+
+    class Broken(Report):
+        sandbox_error = "worker crashed"
+
+    def run_tests(src, tests, limits=None):
+        calls.append(src)
+        time.sleep(0.2)  # every thread of the pool asks while the first run is still going
+        return Broken() if "broken" in src else Report()
+
+    monkeypatch.setattr(code_env, "run_tests", run_tests)
+    monkeypatch.setattr(code_env, "_VERDICTS", {})
+    row = {"id": "r", "info": '{"tests": [{"fn": "f", "args": [1], "expected": 2}]}'}
+    env = get_env("code", partial_credit=False)
+    a, b = ("<think></think>```python\ndef f(x):\n    return %d\n```" % v for v in (2, 3))
+    results = score_in_threads(lambda text: env.score(text, row), [a] * 5 + [b] * 3, lambda text: True)
+    assert [r.reward for r in results] == [1.0] * 8 and len(calls) == 2
+    calls.clear()
+    broken = "<think></think>```python\n# broken\n```"
+    results = score_in_threads(lambda text: env.score(text, row), [broken] * 3, lambda text: True)
+    assert all(r.masked for r in results) and len(calls) == 3
+
+
 def fake_sandbox(monkeypatch, failing=()):
     """The code environment's sandbox, in-process: a test passes unless its argument is in `failing`; a program
     that says `crash` brings the sandbox down. Returns the list of test lists it was asked to run."""

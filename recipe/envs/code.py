@@ -21,6 +21,7 @@ import json
 import random
 import re
 import threading
+from concurrent.futures import Future
 
 from recipe.envs.base import Environment, MaskSample
 from recipe.sandbox import run_tests
@@ -70,8 +71,36 @@ def program(code: str, tests: list[dict], prelude: bool) -> str:
 
 # Verdicts by program and tests: the samples of a group often repeat a program, and each sandbox run costs a
 # process start. A program's verdict is deterministic up to its limits, which do not change within a run.
-_VERDICTS: dict[str, object] = {}
+# Each entry is a Future: samples scored at the same time (rollout.score_in_threads) wait for one run.
+_VERDICTS: dict[str, Future] = {}
 _VERDICTS_LOCK = threading.Lock()  # samples are scored from several threads at once
+
+
+def _run_once(key: str, source: str, tests: list[dict]):
+    """run_tests(source, tests), once for every sample that asks for the same key, at the same time or later.
+    A sandbox failure is not kept: the samples that waited on it try again (one runs, the others wait)."""
+    with _VERDICTS_LOCK:
+        entry = _VERDICTS.get(key)
+        mine = entry is None
+        if mine:
+            entry = _VERDICTS[key] = Future()
+    if not mine:
+        report = entry.result()
+        return report if not report.sandbox_error else _run_once(key, source, tests)
+    try:
+        report = run_tests(source, tests)
+    except BaseException as e:
+        with _VERDICTS_LOCK:
+            _VERDICTS.pop(key, None)
+        entry.set_exception(e)
+        raise
+    with _VERDICTS_LOCK:
+        if report.sandbox_error:
+            _VERDICTS.pop(key, None)
+        while len(_VERDICTS) > 4096:  # oldest first
+            _VERDICTS.pop(next(iter(_VERDICTS)))
+    entry.set_result(report)
+    return report
 
 
 def select_tests(tests: list[dict], row: dict, max_tests: int | None) -> list[dict]:
@@ -86,8 +115,8 @@ def select_tests(tests: list[dict], row: dict, max_tests: int | None) -> list[di
 
 def code_passed(answer: str, row: dict, max_tests: int | None = None, partial_credit: bool = False) -> float:
     """1.0 when the answer's program passes every test run (at most max_tests of the row's), else 0.0; with
-    partial_credit the share passed, unless the row asks for all (`all_tests_must_pass`). A repeated program's
-    verdict is reused. A sandbox failure raises MaskSample."""
+    partial_credit the share passed, unless the row asks for all (`all_tests_must_pass`). A repeated program runs
+    once, also when its samples are scored at the same time. A sandbox failure raises MaskSample."""
     code = extract_code(answer)
     if code is None:
         return 0.0  # no program: the model's fault, scored 0
@@ -98,16 +127,9 @@ def code_passed(answer: str, row: dict, max_tests: int | None = None, partial_cr
     info = json.loads(row.get("info") or "{}")
     source = program(code, tests, bool(info.get("prelude")))
     key = hashlib.sha256(json.dumps([source, tests], sort_keys=True).encode()).hexdigest()
-    with _VERDICTS_LOCK:
-        report = _VERDICTS.get(key)
-    if report is None:
-        report = run_tests(source, tests)
-        if report.sandbox_error:
-            raise MaskSample(f"sandbox error: {report.sandbox_error}")
-        with _VERDICTS_LOCK:
-            _VERDICTS[key] = report
-            while len(_VERDICTS) > 4096:  # oldest first
-                _VERDICTS.pop(next(iter(_VERDICTS)))
+    report = _run_once(key, source, tests)
+    if report.sandbox_error:
+        raise MaskSample(f"sandbox error: {report.sandbox_error}")
     if partial_credit and not info.get("all_tests_must_pass"):
         return report.passed / report.total if report.total else 0.0
     return float(report.total > 0 and report.passed == report.total)
