@@ -169,10 +169,9 @@ class DecodeBatch:
         self.uniforms[at] = F.pad(uniforms, (0, self.uniforms.shape[1] - most))
         self.logits[at] = logits
         self.running += len(keys)
-        if keep is None:
-            self._copy_in(at, cache, width, rows)
-        else:
-            self._relayout(torch.tensor(keep, dtype=torch.long, device=device), cache, width, rows)
+        if keep is not None:
+            self._relayout(torch.tensor(keep, dtype=torch.long, device=device))
+        self._copy_in(at, cache, width, rows)
 
     def _slots(self, n: int, prompt_width: int, most: int) -> list[int] | None:
         """Where n rows of prompts up to prompt_width tokens and up to `most` new tokens go in place: dead rows'
@@ -220,8 +219,9 @@ class DecodeBatch:
 
     def _copy_in(self, slots: torch.Tensor, joining: DynamicCache, joining_width: int,
                  joining_rows: torch.Tensor) -> None:
-        """The rows `joining_rows` of `joining` into the buffers' rows `slots`, ending at column `width`; the
-        columns before them zeroed (a masked column must hold finite numbers: its weight 0 times NaN is NaN)."""
+        """The rows `joining_rows` of `joining` (a row may come more than once: a prompt prefilled once for several
+        samples) into the buffers' rows `slots`, ending at column `width`; the columns before them zeroed (a masked
+        column must hold finite numbers: its weight 0 times NaN is NaN)."""
         lo = self.width - joining_width
         for layer, dst in zip(joining.layers, self.cache.layers):
             for name in ("key_buf", "value_buf"):
@@ -238,31 +238,24 @@ class DecodeBatch:
             layer.rows, layer.start, layer.length = len(self.keys), self.start, self.width
             layer.view()
 
-    def _relayout(self, keep: torch.Tensor, joining: DynamicCache | None = None, joining_width: int = 0,
-                  joining_rows: torch.Tensor | None = None) -> None:
-        """New buffers for the rows `keep` of the old ones (in that order) followed by the rows `joining_rows` of
-        `joining` (a row may come more than once: prompts prefilled once for several samples), at the
-        width of the longest row, with room for the engine's batch_size rows and every row's remaining tokens
-        plus max_new_tokens more columns (rows that join later). Only the masked columns in view are zeroed."""
+    def _relayout(self, keep: torch.Tensor) -> None:
+        """New buffers holding the rows `keep` of the old ones (in that order) as rows [0, len(keep)), at the width
+        of the longest row, with room for the engine's batch_size rows and every row's remaining tokens plus
+        max_new_tokens more columns (rows that join later). The per-row state already says which rows there are
+        (_select, and admit's rows, which _copy_in writes next). Only the masked columns in view are zeroed."""
         self.relayouts += 1
         width = int(self.lengths.max())
         most = int(self.budgets.max())
         capacity = width + int((self.budgets - self.generated).max()) + most
         new = _empty_cache(self.engine.model, max(len(self.keys), self.engine.batch_size), capacity)
         n_old, m = len(keep), min(self.width, width)
-        for layer, dst in enumerate(new.layers):
-            for name in ("key_buf", "value_buf"):
-                out = getattr(dst, name)
-                if n_old:
-                    src = getattr(self.cache.layers[layer], name)
-                    torch.index_select(src[:, :, self.width - m:self.width], 0, keep,
+        if n_old:
+            for old, dst in zip(self.cache.layers, new.layers):
+                for name in ("key_buf", "value_buf"):
+                    out = getattr(dst, name)
+                    torch.index_select(getattr(old, name)[:, :, self.width - m:self.width], 0, keep,
                                        out=out[:n_old, :, width - m:width])
                     out[:n_old, :, :width - m].zero_()
-                if joining is not None:
-                    src = getattr(joining.layers[layer], name)[:, :, :joining_width]
-                    n = len(joining_rows)
-                    torch.index_select(src, 0, joining_rows, out=out[n_old:n_old + n, :, width - joining_width:width])
-                    out[n_old:n_old + n, :, :width - joining_width].zero_()
         self.cache, self.width = new, width
         self._set_view()
 
