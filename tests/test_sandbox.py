@@ -857,6 +857,62 @@ def test_programs_of_a_pinned_caller_run_on_the_cores_it_names():
         assert run_python(code, "", Limits()).stdout.strip() == "[0]"  # inherited by default
         runner.run_on_cores(before)
         assert run_python(code, "", Limits()).stdout.strip() == str(sorted(before))
+        assert os.sched_getaffinity(0) == {0}  # the caller's own affinity is put back after the start
     finally:
         runner.run_on_cores(None)
         os.sched_setaffinity(0, before)
+
+
+def _inside_module():
+    """recipe/sandbox/_inside.py as a module (its _main runs only as `python -c`)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("sandbox_inside", Path(runner.__file__).with_name("_inside.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("without_c_encoder", [False, True])
+def test_the_harness_writes_its_messages_as_json_dumps_would(without_c_encoder, monkeypatch):
+    """The harness sends function results through json's C encoder without importing json (its import was a third
+    of a short run): the same text as json.dumps, or the same error, for whatever a function may return."""
+    dumps = _inside_module()._dumps
+    if without_c_encoder:
+        monkeypatch.setitem(__import__("sys").modules, "_json", None)  # no C encoder: json itself
+    looped: list = [1]
+    looped.append(looped)
+    values = [None, True, 0, -7, 2 ** 80, 0.1, -0.0, 1e300, float("nan"), float("inf"), -float("inf"), "",
+              'é \u2028 \x00 \" \\ \ud800 \U0001f600', [1, (2, [3.5, None])], {"a": {"b": []}, 1: 2, 2.5: "x", None: 0,
+              False: True}, [[[[[[[[[[1]]]]]]]]]], 10 ** 5000, looped, {1, 2}, object(), {(1, 2): 3}, b"bytes"]
+    for value in values:
+        msg = {"i": 3, "value": value}
+        try:
+            want = json.dumps(msg)
+        except (TypeError, ValueError) as e:
+            with pytest.raises(type(e)) as got:
+                dumps(msg)
+            assert str(got.value) == str(e), value
+        else:
+            assert dumps(msg) == want, value
+
+
+def test_a_run_imports_nothing_heavy_before_the_program():
+    """Each sandboxed run starts an interpreter: the harness must not add json, re, enum or signal to what the
+    interpreter imports by itself (site included), in either mode."""
+    heavy = {"json", "re", "enum", "signal"}
+    plain = subprocess.run([runner.interpreter(), "-s", "-B", "-c", "import sys; print(' '.join(sys.modules))"],
+                           capture_output=True, text=True, check=True, env={"PATH": runner.PATH}).stdout.split()
+    probe = "sorted(m for m in sys.modules if m in {!r} and m not in {!r})".format(heavy, set(plain))
+    res = run_python(f"import sys\nprint({probe})", "", FAST)
+    assert res.status == "ok" and res.stdout.strip() == "[]", res
+    report = run_tests(f"import sys\ndef f():\n    return {probe}", [{"fn": "f", "args": [], "expected": []}], FAST)
+    assert report.results == ["pass"], report
+
+
+def test_a_function_gets_the_json_values_of_its_arguments():
+    """The payload travels as marshal, but the arguments a function is called with are still JSON's: a tuple
+    arrives as a list and an integer key as a string, as they would from a tests file."""
+    code = "def f(a, b):\n    return [type(a).__name__, sorted(b)]"
+    report = run_tests(code, [{"fn": "f", "args": [(1, 2), {3: "x"}], "expected": ["list", ["3"]]}], FAST)
+    assert report.results == ["pass"], report
