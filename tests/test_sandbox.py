@@ -9,6 +9,7 @@ import json
 import os
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -879,7 +880,7 @@ def test_the_harness_writes_its_messages_as_json_dumps_would(without_c_encoder, 
     of a short run): the same text as json.dumps, or the same error, for whatever a function may return."""
     dumps = _inside_module()._dumps
     if without_c_encoder:
-        monkeypatch.setitem(__import__("sys").modules, "_json", None)  # no C encoder: json itself
+        monkeypatch.setitem(sys.modules, "_json", None)  # no C encoder: json itself
     looped: list = [1]
     looped.append(looped)
     values = [None, True, 0, -7, 2 ** 80, 0.1, -0.0, 1e300, float("nan"), float("inf"), -float("inf"), "",
@@ -916,3 +917,34 @@ def test_a_function_gets_the_json_values_of_its_arguments():
     code = "def f(a, b):\n    return [type(a).__name__, sorted(b)]"
     report = run_tests(code, [{"fn": "f", "args": [(1, 2), {3: "x"}], "expected": ["list", ["3"]]}], FAST)
     assert report.results == ["pass"], report
+
+
+def test_the_harness_runs_from_source_where_its_code_object_cannot_be_made(monkeypatch):
+    """The harness normally starts from a code object its interpreter compiled once (runner.BOOT); where that
+    failed, each run compiles the source, and runs the same."""
+    monkeypatch.setitem(runner._harness_codes, runner.interpreter(), None)
+    assert run_python("print(6 * 7)", "", FAST).stdout.strip() == "42"
+    report = run_tests("def f(x):\n    return x + 1", [{"fn": "f", "args": [1], "expected": 2}], FAST)
+    assert report.results == ["pass"], report
+
+
+def test_a_limit_the_harness_cannot_set_stops_the_run_before_the_program(monkeypatch):
+    """The rlimits are set by the harness on itself before anything of the program is read: one it cannot set
+    is a sandbox failure (the sample is masked), never a program run without it."""
+    real = runner._rlimits
+    monkeypatch.setattr(runner, "_rlimits", lambda *a: {**real(*a), "no_such_limit": (1, 1)})
+    res = run_python("open('/tmp/ran', 'w').write('x'); print('ran')", "", FAST)
+    assert res.status == "sandbox_error" and "ran" not in res.stdout, res
+
+
+def test_a_lower_limit_the_caller_inherited_holds(tmp_path):
+    """Without root the harness cannot raise a limit above what its caller has: a caller whose hard limit is
+    below the run's gets its own, the stricter one, and the run goes on."""
+    script = ("import resource\n"
+              "resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40))\n"
+              "from recipe.sandbox import run_python\n"
+              "res = run_python('import resource; print(resource.getrlimit(resource.RLIMIT_NOFILE))')\n"
+              "print(res.status, res.stdout.strip())\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=Path(runner.__file__).parents[2])
+    assert out.stdout.strip() == "ok (40, 40)", out.stdout + out.stderr

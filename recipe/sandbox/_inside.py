@@ -1,6 +1,8 @@
-# Runs inside the sandbox, before the model's program, as `python -c <this> MODE CTL_FD PAYLOAD_FD`.
-# It reads the payload (code, and for MODE "fn" the test cases); under the unshare backend it first builds the
-# sandbox's root (payload "setup"), stays behind as the pid namespace's init and runs the rest in a child; it
+# Runs inside the sandbox, before the model's program, as `python -c <this> MODE CTL_FD PAYLOAD_FD` (or from its
+# code object: runner.BOOT). It reads the payload (code, and for MODE "fn" the test cases) and sets the run's
+# rlimits on itself (payload "rlimits"; a failure stops the run before the program); under the unshare backend it
+# then builds the sandbox's root (payload "setup"), stays behind as the pid namespace's init and runs the rest in a
+# child; it
 # installs the seccomp filter (payload "seccomp"; bwrap installs it itself), says "started" on the control pipe
 # (so the host can tell a sandbox that never came up from a program that failed), then runs the program as
 # __main__, and in MODE "fn" calls its function on each case. Expected answers never come in here: the host
@@ -223,6 +225,14 @@ def _main():
         chunks.append(chunk)
     os.close(src)
     payload = marshal.loads(b"".join(chunks))
+    import resource  # the run's limits, on this process and all it starts, before anything of the program
+
+    for name, soft, hard in payload["rlimits"]:
+        which = getattr(resource, name)
+        ceiling = resource.getrlimit(which)[1]  # above what it inherits it cannot go: the lower one holds
+        if ceiling != resource.RLIM_INFINITY:
+            soft, hard = min(soft, ceiling), min(hard, ceiling)
+        resource.setrlimit(which, (soft, hard))
     if payload.get("setup"):
         _build_root(payload["setup"])
     if payload.get("seccomp"):

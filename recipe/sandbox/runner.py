@@ -18,7 +18,9 @@ Backends, picked once per process by `backend()`:
 On every backend:
 - As root, each run has a private uid (random, high range): sibling runs cannot signal, trace or read each
   other, and RLIMIT_NPROC counts exactly the run's own processes. Without root, the caller's uid.
-- rlimits (CPU, address space, processes, file size, open files, no core files) set by `prlimit`.
+- rlimits (CPU, address space, processes, file size, open files, no core files), set by the harness
+  (_inside.py) on itself as its first act, before any of the program is read or run; a limit that cannot be set
+  stops the run as a sandbox failure. The sandbox's own processes (bwrap's) do not run under them.
 - A seccomp filter (seccomp.py: x86_64 and aarch64) denies ptrace, namespaces and mounts, memfd_create, SysV
   shared memory, sched_setaffinity (CPU affinity cannot be widened), io_uring, bpf, keyrings, kernel modules,
   the clock, and every socket but AF_UNIX.
@@ -65,6 +67,12 @@ CONTROL_BYTES = 1 << 20  # the host's side channel from the harness (function re
 EXIT_GRACE_S = 0.5  # after the program exits, how long leftover children may keep its pipes open
 STEP_GRACE_S = 0.5  # functional tests: slack over a case's wall limit before the host kills the process
 INSIDE = (Path(__file__).with_name("_inside.py")).read_text()
+# Starts the harness from its code object, compiled once by the sandbox's interpreter (argv[4]: a memfd of it):
+# compiling _inside.py cost about 2 ms of every run.
+BOOT = ("import marshal, os, sys\nfd, parts = int(sys.argv[4]), []\nwhile True:\n    part = os.read(fd, 1 << 20)\n"
+        "    if not part:\n        break\n    parts.append(part)\nos.close(fd)\nexec(marshal.loads(b''.join(parts)))\n")
+COMPILE = ("import marshal, sys\n"
+           "sys.stdout.buffer.write(marshal.dumps(compile(sys.stdin.buffer.read(), '<sandbox harness>', 'exec')))\n")
 PATH = "/usr/local/bin:/usr/bin:/bin"
 UNISOLATED_OPT_IN = "RECIPE_SANDBOX_UNISOLATED"
 
@@ -229,6 +237,24 @@ def interpreter() -> str:
     return _interp
 
 
+_harness_codes: dict[str, bytes | None] = {}
+_code_lock = threading.Lock()
+
+
+def _harness_code(exe: str) -> bytes | None:
+    """_inside.py compiled and marshalled by `exe` itself (a code object only loads in the Python that made it),
+    once per interpreter; None, and the source is compiled each run, where that fails."""
+    with _code_lock:
+        if exe not in _harness_codes:
+            try:
+                out = subprocess.run([exe, "-s", "-B", "-c", COMPILE], input=INSIDE.encode(), capture_output=True,
+                                     timeout=30, env={"PATH": PATH})
+                _harness_codes[exe] = out.stdout if out.returncode == 0 and out.stdout else None
+            except (OSError, subprocess.SubprocessError):
+                _harness_codes[exe] = None
+        return _harness_codes[exe]
+
+
 # ------------------------------------------------------------------------------------------------ the command
 
 def _rlimits(limits: Limits, cpu_s: float, uid: int | None) -> dict[str, tuple[int, int]]:
@@ -238,10 +264,6 @@ def _rlimits(limits: Limits, cpu_s: float, uid: int | None) -> dict[str, tuple[i
     procs = limits.max_procs + SANDBOX_PROCS + (0 if uid is not None else _tasks_of(os.getuid()))
     return {"cpu": (cpu, cpu + 1), "as": one(limits.memory_mb << 20), "nproc": one(procs),
             "fsize": one(limits.file_mb << 20), "nofile": one(limits.open_files), "core": one(0)}
-
-
-def _prlimit(rl: dict) -> list[str]:
-    return ["prlimit"] + [f"--{k}={soft}:{hard}" for k, (soft, hard) in rl.items()] + ["--"]
 
 
 _RUN_ON_CORES: set[int] | None = None  # set by run_on_cores()
@@ -270,16 +292,6 @@ class _OnCores:
     def __exit__(self, *exc):
         if self.old is not None:
             os.sched_setaffinity(0, self.old)
-
-
-def _preexec(rl: dict):
-    """Only without the prlimit tool: preexec_fn is not safe in threaded callers (the RL verifier's pool)."""
-    import resource
-
-    def apply():
-        for k, v in rl.items():
-            resource.setrlimit(getattr(resource, f"RLIMIT_{k.upper()}"), v)
-    return apply
 
 
 def _layout(limits: Limits, exe: str) -> list[list]:
@@ -420,8 +432,8 @@ def execute(payload: dict, stdin: str, limits: Limits, mode: str, use: str | Non
             env.update(HOME=workdir.home, TMPDIR=workdir.home)
         if filt and use != "bwrap":
             payload["seccomp"] = filt.hex()
-        rl = _rlimits(limits, cpu_s, uid)
-        has_prlimit = shutil.which("prlimit", path=PATH) is not None
+        payload["rlimits"] = [[f"RLIMIT_{k.upper()}", soft, hard] for k, (soft, hard) in
+                              _rlimits(limits, cpu_s, uid).items()]
         ctl_r, ctl_w = os.pipe()
         opened += [ctl_r, ctl_w]
         if "cases" in payload:  # a function gets JSON's values (lists, string keys), as the tests' files give them
@@ -432,14 +444,17 @@ def execute(payload: dict, stdin: str, limits: Limits, mode: str, use: str | Non
         if stdin:
             opened.append(stdin_fd)
         cmd = cgroup.join() if cgroup else []
-        cmd += _prlimit(rl) if has_prlimit else []
         if uid is not None:
             cmd += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
-        cmd += sandbox + [exe, "-s", "-B", "-c", INSIDE, mode, str(ctl_w), str(src)]
+        code = _harness_code(exe)
+        if code is not None:
+            opened.append(_memfd("sandbox-harness", code))
+        harness = [BOOT, mode, str(ctl_w), str(src), str(opened[-1])] if code is not None else [INSIDE, mode,
+                                                                                               str(ctl_w), str(src)]
+        cmd += sandbox + [exe, "-s", "-B", "-c"] + harness
         with _OnCores():
             proc = subprocess.Popen(cmd, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
-                                    env=env, pass_fds=[fd for fd in opened if fd != ctl_r], start_new_session=True,
-                                    preexec_fn=None if has_prlimit else _preexec(rl))
+                                    env=env, pass_fds=[fd for fd in opened if fd != ctl_r], start_new_session=True)
     except OSError as e:
         for fd in opened:
             os.close(fd)
