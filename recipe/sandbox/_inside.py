@@ -2,11 +2,10 @@
 # code object: runner.BOOT). It reads the payload (code, and for MODE "fn" the test cases) and sets the run's
 # rlimits on itself (payload "rlimits"; a failure stops the run before the program); under the unshare backend it
 # then builds the sandbox's root (payload "setup"), stays behind as the pid namespace's init and runs the rest in a
-# child; it
-# installs the seccomp filter (payload "seccomp"; bwrap installs it itself), says "started" on the control pipe
-# (so the host can tell a sandbox that never came up from a program that failed), then runs the program as
-# __main__, and in MODE "fn" calls its function on each case. Expected answers never come in here: the host
-# compares.
+# child; it installs the seccomp filter (payload "seccomp"; bwrap installs it itself), says "started" on the
+# control pipe (so the host can tell a sandbox that never came up from a program that failed), then runs the
+# program as __main__, and in MODE "fn" calls its function on each case. Expected answers never come in here: the
+# host compares.
 # Every sandboxed run starts an interpreter, so what this file imports is paid on every run: the payload comes as
 # marshal (the host writes it), messages go out through the C encoder json.dumps itself uses, and the timers come
 # from signal's C core. `import json` (re and its patterns) and `import signal` (enum) were about a third of a
