@@ -929,7 +929,7 @@ def test_the_harness_runs_from_source_where_its_code_object_cannot_be_made(monke
 
 
 def test_a_limit_the_harness_cannot_set_stops_the_run_before_the_program(monkeypatch):
-    """The rlimits are set by the harness on itself before anything of the program is read: one it cannot set
+    """The rlimits are set by the harness on itself before anything of the program is compiled: one it cannot set
     is a sandbox failure (the sample is masked), never a program run without it."""
     real = runner._rlimits
     monkeypatch.setattr(runner, "_rlimits", lambda *a: {**real(*a), "no_such_limit": (1, 1)})

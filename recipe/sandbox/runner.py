@@ -19,8 +19,9 @@ On every backend:
 - As root, each run has a private uid (random, high range): sibling runs cannot signal, trace or read each
   other, and RLIMIT_NPROC counts exactly the run's own processes. Without root, the caller's uid.
 - rlimits (CPU, address space, processes, file size, open files, no core files), set by the harness
-  (_inside.py) on itself as its first act, before any of the program is read or run; a limit that cannot be set
-  stops the run as a sandbox failure. The sandbox's own processes (bwrap's) do not run under them.
+  (_inside.py) on itself once it has read its payload, before any of the program is compiled or run; a limit
+  that cannot be set stops the run as a sandbox failure. The sandbox's own processes (bwrap's) do not run under
+  them.
 - A seccomp filter (seccomp.py: x86_64 and aarch64) denies ptrace, namespaces and mounts, memfd_create, SysV
   shared memory, sched_setaffinity (CPU affinity cannot be widened), io_uring, bpf, keyrings, kernel modules,
   the clock, and every socket but AF_UNIX.
@@ -62,7 +63,7 @@ from recipe.sandbox.cgroup import Cgroup
 NOBODY = 65534
 PRIVATE_UIDS = (2_100_000_000, 1 << 24)  # first uid and count of the range private uids are drawn from
 SANDBOX_PROCS = 4  # the sandbox's own processes (bwrap's two, unshare and its pid 1), under the run's uid
-MARSHAL_VERSION = 2  # the payload's format (host to sandbox only): one every Python 3 reads, whichever the sandbox runs
+MARSHAL_VERSION = 2  # the payload's format (host to sandbox only): every Python 3 reads it
 CONTROL_BYTES = 1 << 20  # the host's side channel from the harness (function results), bounded like output
 EXIT_GRACE_S = 0.5  # after the program exits, how long leftover children may keep its pipes open
 STEP_GRACE_S = 0.5  # functional tests: slack over a case's wall limit before the host kills the process
