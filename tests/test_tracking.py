@@ -6,6 +6,7 @@ import json
 import struct
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -160,17 +161,28 @@ def wandb_records(path):
     return out
 
 
+def finished_run_records(folder, wait_s: float = 30.0) -> list:
+    """The records of the one offline run under a stage's tracking/, once its run and exit records are in the
+    file: wandb's service process writes the file and can still be at it when the run's finish() has returned."""
+    (path,) = (folder / "tracking" / "wandb").glob("offline-run-*/run-*.wandb")
+    deadline = time.monotonic() + wait_s
+    while True:
+        records = wandb_records(path)
+        kinds = {r.WhichOneof("record_type") for r in records}
+        if {"run", "exit"} <= kinds or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 def wandb_exit_code(folder):
     """The exit code the one offline run under a stage's tracking/ finished with."""
-    (path,) = (folder / "tracking" / "wandb").glob("offline-run-*/run-*.wandb")
-    (code,) = [r.exit.exit_code for r in wandb_records(path) if r.WhichOneof("record_type") == "exit"]
+    (code,) = [r.exit.exit_code for r in finished_run_records(folder) if r.WhichOneof("record_type") == "exit"]
     return code
 
 
 def wandb_run(folder):
     """(run name, config keys, history rows) of the one offline run under a stage's tracking/."""
-    (path,) = (folder / "tracking" / "wandb").glob("offline-run-*/run-*.wandb")
-    records = wandb_records(path)
+    records = finished_run_records(folder)
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     config = {i.key for i in run.config.update}
     config |= {i.key for r in records if r.WhichOneof("record_type") == "config" for i in r.config.update}
