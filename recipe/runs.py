@@ -171,6 +171,15 @@ def package_versions() -> dict:
     return out
 
 
+def load_avg() -> float | None:
+    """The machine's 1-minute load average (None where the OS has none): timings here are noisy, so every
+    manifest and bench says how loaded the machine was."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
 def hardware() -> dict:
     import torch
 
@@ -190,6 +199,7 @@ class Stage:
         self.dir = stage_dir(cfg, name)
         self.hash = config_hash(cfg, STAGE_KEYS[name])
         self.started = None
+        self.load_at_start: float | None = None
         self.upstream: dict[str, str] = {}  # upstream stage -> the config hash its DONE.json recorded
 
     @property
@@ -232,6 +242,7 @@ class Stage:
         self.dir.mkdir(parents=True, exist_ok=True)
         write_atomic(self.dir / "config.yaml", OmegaConf.to_yaml(self.cfg, resolve=True))
         self.started = time.time()
+        self.load_at_start = load_avg()
 
     def run(self, body: Callable[["Stage", dict], dict], requires: tuple[str, ...] = (), fresh: bool = False,
             before_done: Callable[[dict], None] | None = None):
@@ -254,7 +265,7 @@ class Stage:
         recipe.rl.dist.run_stage_on_ranks writes from the manifest), then DONE.json: the last write of the stage,
         so whatever before_done writes is there when the stage counts as finished."""
         manifest = provenance(self.cfg, self.name, self.hash, self.started, inputs, outputs,
-                              {"upstream": self.upstream, **(extra or {})})
+                              {"upstream": self.upstream, **(extra or {})}, load_at_start=self.load_at_start)
         write_atomic(self.dir / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True))
         if before_done is not None:
             before_done(manifest)
@@ -310,8 +321,9 @@ class StageLock:
 
 
 def provenance(cfg, stage: str, cfg_hash: str, started: float | None, inputs: dict, outputs: dict,
-               extra: dict | None = None) -> dict:
-    """Who made an output, from what, with which code and packages, on which hardware, in how long."""
+               extra: dict | None = None, load_at_start: float | None = None) -> dict:
+    """Who made an output, from what, with which code and packages, on which hardware, how loaded, in how long.
+    load_at_start: load_avg() when the work began (its own load is in the figure at the end)."""
     end = time.time()
     started = started or end
     return {
@@ -326,6 +338,8 @@ def provenance(cfg, stage: str, cfg_hash: str, started: float | None, inputs: di
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(end)),
         "wall_s": round(end - started, 2),
+        "load_avg_1m_at_start": load_at_start,
+        "load_avg_1m_at_end": load_avg(),
         "inputs": {k: sha256_tree(v) if not isinstance(v, str) else v for k, v in inputs.items()},
         "outputs": {k: sha256_tree(v) for k, v in outputs.items()},
         **(extra or {}),

@@ -112,6 +112,40 @@ def test_report_shows_the_sandbox_throughput_that_bench_sandbox_wrote(tmp_path):
     assert "**36.4 programs/s**" in text and "backend `bwrap`" in text and "`make bench-sandbox PRESET=tiny`" in text
 
 
+def test_report_says_how_loaded_the_machine_was_where_a_run_recorded_it(tmp_path):
+    import json
+    import shutil
+
+    from recipe.config import load_config
+    from recipe.eval.report import write_report
+
+    shutil.copytree(Path(__file__).parent / "data" / "runs_min", tmp_path / "runs")
+    cfg = load_config([f"run_root={tmp_path / 'runs'}"])
+    rl_manifest = tmp_path / "runs" / "tiny" / "rl" / "manifest.json"
+    m = json.loads(rl_manifest.read_text())
+    rl_manifest.write_text(json.dumps({**m, "load_avg_1m_at_start": 0.53, "load_avg_1m_at_end": 1.71}))
+    bench = tmp_path / "runs" / "tiny" / "bench"
+    bench.mkdir(parents=True)
+    prov = {"git": {"commit": "0123456789abcdef", "dirty": False}, "hardware": {"cpus": 2},
+            "load_avg_1m_at_start": 0.21, "load_avg_1m_at_end": 2.36}
+    (bench / "sandbox.json").write_text(json.dumps({
+        "backend": "bwrap", "programs": 200, "seconds": 5.5, "programs_per_s": 36.36, "workers": 2,
+        "command": "make bench-sandbox PRESET=tiny", "provenance": prov}))
+    level = {"steps": 40, "samples": 5120, "mean_step_s": 1.5, "steps_per_hour": 2400.0, "speedup_vs_sync": 1.6,
+             "mean_gen_busy_s": 1.3, "mean_train_s": 1.2, "reward_second_half": 0.481, "held_out_avg": 0.464,
+             "staleness": {"1": 5120}}
+    (bench / "rl.json").write_text(json.dumps({
+        "results": [{**level, "max_async_level": 0, "load_avg_1m_at_start": 0.34},
+                    {**level, "max_async_level": 1, "load_avg_1m_at_start": 1.87}],
+        "command": "make bench-rl PRESET=tiny", "provenance": prov}))
+    text = write_report(cfg).read_text()
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
+    assert "| 0.5 / 1.7 |" in rows["| rl"]  # the stage that recorded it
+    assert "| - / - |" in rows["| sft"]  # a manifest from before loads were recorded
+    assert "2 CPUs, load 0.2 at the start, 2.4 at the end." in text.split("## Performance: code sandbox")[1]
+    assert "2 CPUs, load 0.3, 1.9 at the levels' starts, 2.4 at the end." in text
+
+
 def test_prompts_longer_than_the_context_are_skipped_counted_and_not_scored(tmp_path, capsys):
     import pytest
 

@@ -48,6 +48,22 @@ def test_an_upstream_made_under_another_config_is_refused_and_the_hashes_consume
     assert require_done(cfg_factory("sft.lr=0.5"), "base") == stage_dir(cfg, "base")
 
 
+def test_a_stage_records_the_machines_load_as_it_began_and_ended(cfg_factory, monkeypatch):
+    import recipe.runs
+
+    loads = iter([(0.53, 0.4, 0.3), (1.71, 1.2, 0.9)])
+    monkeypatch.setattr(recipe.runs.os, "getloadavg", lambda: next(loads))
+    manifest = Stage(cfg_factory(), "data").run(nothing)
+    assert (manifest["load_avg_1m_at_start"], manifest["load_avg_1m_at_end"]) == (0.53, 1.71)
+
+    def no_load_average():
+        raise OSError("no load average here")
+
+    monkeypatch.setattr(recipe.runs.os, "getloadavg", no_load_average)  # an OS without one: recorded as None
+    manifest = Stage(cfg_factory(), "base").run(nothing, requires=("data",))
+    assert manifest["load_avg_1m_at_start"] is None and manifest["load_avg_1m_at_end"] is None
+
+
 def test_eval_refuses_a_checkpoint_made_under_another_config(cfg_factory):
     from recipe.eval.models import model_for
 

@@ -37,7 +37,8 @@ from recipe.inference.hf import HFEngine
 from recipe.inference.vllm import VLLMEngine
 from recipe.launch.roles import INFERENCE_URLS_ENV
 from recipe.model_card import write_card
-from recipe.runs import STAGE_KEYS, Stage, done_hash, provenance, require_done, stage_dir, stage_main, write_atomic
+from recipe.runs import (STAGE_KEYS, Stage, done_hash, load_avg, provenance, require_done, stage_dir, stage_main,
+                         write_atomic)
 from recipe.tracking import Tracker, open_tracker
 
 # eval keys that only concern the benchmarks: left out of the held-out suite's key, so that adding a benchmark
@@ -206,7 +207,7 @@ def run_eval(cfg, stage: Stage, tracker: Tracker) -> None:
         model_input = model.ref if model.kind == "hub" else model.path
         try:
             for spec, key in jobs:
-                started = time.time()
+                started, load_at_start = time.time(), load_avg()
                 if spec is None:
                     ecfg, chosen = held_out_config(cfg, held, engine, rows)
                     res = evaluate(engine, engine.tokenizer, rows, ecfg, out, desc=f"eval {name}")
@@ -230,7 +231,8 @@ def run_eval(cfg, stage: Stage, tracker: Tracker) -> None:
                 where = f"eval/{name}" + (f"/{spec.name}" if spec else "")
                 res["provenance"] = provenance(cfg, where, config_hash(cfg, STAGE_KEYS["eval"]), started,
                                                inputs=inputs, outputs={"samples": res_path.parent / "samples.jsonl"},
-                                               extra={"upstream": upstream, "model": described})
+                                               extra={"upstream": upstream, "model": described},
+                                               load_at_start=load_at_start)
                 write_atomic(res_path, json.dumps(res, indent=2, sort_keys=True))
                 print(f"eval: {label}: {summary}")
                 logged.update(scores(spec, res))

@@ -83,6 +83,27 @@ def _bench_json(cfg, name: str) -> dict | None:
     return read_json(path) if path.exists() else None
 
 
+def _load(value) -> str:
+    """A 1-minute load average as the report prints it ("-": not recorded, by an older run or the OS)."""
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _load_phrase(prov: dict) -> str:
+    """", load A at the start, B at the end" from a provenance that recorded them, else nothing."""
+    if prov.get("load_avg_1m_at_end") is None:
+        return ""
+    start, end = _load(prov.get("load_avg_1m_at_start")), _load(prov["load_avg_1m_at_end"])
+    return f", load {start} at the start, {end} at the end"
+
+
+def _level_loads(rows: list[dict], prov: dict) -> str:
+    """", load A, B, C at the levels' starts, D at the end" when bench-rl recorded them."""
+    if prov.get("load_avg_1m_at_end") is None or any(r.get("load_avg_1m_at_start") is None for r in rows):
+        return ""
+    starts = ", ".join(_load(r["load_avg_1m_at_start"]) for r in rows)
+    return f", load {starts} at the levels' starts, {_load(prov['load_avg_1m_at_end'])} at the end"
+
+
 def bench_section(cfg) -> str:
     bench = _bench_json(cfg, "rl")
     if bench is None:
@@ -93,7 +114,7 @@ def bench_section(cfg) -> str:
            "engine on one core, the trainer on the other. Steps/hour from the mean step time (step 1, which "
            "includes the engine's first fill, left out); reward = mean training reward over the second half of "
            f"the run; held-out = avg@{cfg.eval.samples} of the final policy. Commit "
-           f"{_commit(prov)}, {prov['hardware']['cpus']} CPUs.\n\n",
+           f"{_commit(prov)}, {prov['hardware']['cpus']} CPUs{_level_loads(rows, prov)}.\n\n",
            "| max_async_level | steps | samples | mean step s | steps/hour | vs sync | gen busy s/step | "
            "train s/step | reward (2nd half, ± s.e.) | held-out avg (± s.e.) | staleness (samples by age) |\n",
            "|---|---|---|---|---|---|---|---|---|---|---|\n"]
@@ -185,7 +206,8 @@ def sandbox_section(cfg) -> str:
     prov = b["provenance"]
     return (f"Reproduce: `{b['command']}`. {b['programs']} small correct stdin programs, each in a sandbox of its "
             f"own (backend `{b['backend']}`), {b['workers']} at a time: {b['seconds']:.2f} s, "
-            f"**{b['programs_per_s']:.1f} programs/s**. Commit {_commit(prov)}, {prov['hardware']['cpus']} CPUs.\n")
+            f"**{b['programs_per_s']:.1f} programs/s**. Commit {_commit(prov)}, {prov['hardware']['cpus']} "
+            f"CPUs{_load_phrase(prov)}.\n")
 
 
 def soak_section(cfg) -> str:
@@ -333,14 +355,16 @@ def task_table(cfg, results: dict[str, dict]) -> str:
 
 
 def stage_table(cfg) -> str:
-    """Wall time and provenance of every finished stage, from its manifest."""
-    out = ["| stage | wall s | config | commit | command |\n", "|---|---|---|---|---|\n"]
+    """Wall time, the machine's load and the provenance of every finished stage, from its manifest."""
+    out = ["| stage | wall s | load (1 min) at start / end | config | commit | command |\n",
+           "|---|---|---|---|---|---|\n"]
     for name in ["data", "base", "sft", "rl"]:
         p = stage_dir(cfg, name) / "manifest.json"
         if p.exists():
             m = read_json(p)
             commit = _commit(m)
-            out.append(f"| {name} | {m['wall_s']:.0f} | `{m['config_hash']}` | {commit} | `make {name} "
+            load = f"{_load(m.get('load_avg_1m_at_start'))} / {_load(m.get('load_avg_1m_at_end'))}"
+            out.append(f"| {name} | {m['wall_s']:.0f} | {load} | `{m['config_hash']}` | {commit} | `make {name} "
                        f"PRESET={cfg.preset}` |\n")
     return "".join(out)
 

@@ -21,7 +21,7 @@ from recipe.eval.report import write_report
 from recipe.eval.runner import evaluate
 from recipe.inference.hf import HFEngine
 from recipe.rl.loop import run_rl
-from recipe.runs import provenance, require_done, stage_dir, stage_main, write_atomic
+from recipe.runs import load_avg, provenance, require_done, stage_dir, stage_main, write_atomic
 
 LEVELS = (0, 1, 2)
 
@@ -32,6 +32,7 @@ def bench_level(cfg, level: int, out_dir, eval_rows):
                                            "eval_every": 0}})
     shutil.rmtree(out_dir, ignore_errors=True)
     out_dir.mkdir(parents=True)
+    load_at_start = load_avg()  # each level's start: what else the machine was doing as it began
     t0 = time.perf_counter()
     model_dir = run_rl(run_cfg, out_dir, require_done(cfg, "sft") / "model")
     wall = time.perf_counter() - t0
@@ -46,6 +47,7 @@ def bench_level(cfg, level: int, out_dir, eval_rows):
     env_se = [v["stderr"] for v in held_out["env"].values()]  # held-out mean weighs environments equally
     return {
         "max_async_level": level,
+        "load_avg_1m_at_start": load_at_start,
         "steps": len(records),
         "samples": len(records) * cfg.rl.batch_size * cfg.rl.rollouts_per_example,
         "wall_s": wall,
@@ -68,7 +70,7 @@ def bench_level(cfg, level: int, out_dir, eval_rows):
 def main(cfg):
     rows = read_split(require_done(cfg, "data"), "eval")
     bench_dir = stage_dir(cfg, "bench")
-    started = time.time()
+    started, load_at_start = time.time(), load_avg()
     results = [bench_level(cfg, level, bench_dir / f"async{level}", rows) for level in LEVELS]
     base = results[0]
     for r in results:
@@ -78,7 +80,8 @@ def main(cfg):
               f"held-out {r['held_out_avg']:.3f}")
     overrides = " ".join(a for a in sys.argv[1:] if not a.startswith(("preset=", "run_root=")))
     out = {"results": results, "command": f"make bench-rl PRESET={cfg.preset}" + (f' ARGS="{overrides}"' if overrides else ""),
-           "provenance": provenance(cfg, "bench-rl", "", started, inputs={}, outputs={})}
+           "provenance": provenance(cfg, "bench-rl", "", started, inputs={}, outputs={},
+                                    load_at_start=load_at_start)}
     write_atomic(bench_dir / "rl.json", json.dumps(out, indent=2, sort_keys=True))
     write_report(cfg)
 
