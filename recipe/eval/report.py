@@ -88,20 +88,16 @@ def _load(value) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
-def _load_phrase(prov: dict) -> str:
-    """", load A at the start, B at the end" from a provenance that recorded them, else nothing."""
+def _load_phrase(prov: dict, levels: list[dict] | None = None) -> str:
+    """", load A at the start, B at the end" from a provenance that recorded them, else nothing; with bench-rl's
+    levels, ", load A, B, C at the levels' starts, D at the end" when every level recorded its start."""
     if prov.get("load_avg_1m_at_end") is None:
         return ""
-    start, end = _load(prov.get("load_avg_1m_at_start")), _load(prov["load_avg_1m_at_end"])
-    return f", load {start} at the start, {end} at the end"
-
-
-def _level_loads(rows: list[dict], prov: dict) -> str:
-    """", load A, B, C at the levels' starts, D at the end" when bench-rl recorded them."""
-    if prov.get("load_avg_1m_at_end") is None or any(r.get("load_avg_1m_at_start") is None for r in rows):
+    starts = [prov.get("load_avg_1m_at_start")] if levels is None else [r.get("load_avg_1m_at_start") for r in levels]
+    if levels is not None and None in starts:
         return ""
-    starts = ", ".join(_load(r["load_avg_1m_at_start"]) for r in rows)
-    return f", load {starts} at the levels' starts, {_load(prov['load_avg_1m_at_end'])} at the end"
+    where = "the start" if levels is None else "the levels' starts"
+    return f", load {', '.join(map(_load, starts))} at {where}, {_load(prov['load_avg_1m_at_end'])} at the end"
 
 
 def bench_section(cfg) -> str:
@@ -114,7 +110,7 @@ def bench_section(cfg) -> str:
            "engine on one core, the trainer on the other. Steps/hour from the mean step time (step 1, which "
            "includes the engine's first fill, left out); reward = mean training reward over the second half of "
            f"the run; held-out = avg@{cfg.eval.samples} of the final policy. Commit "
-           f"{_commit(prov)}, {prov['hardware']['cpus']} CPUs{_level_loads(rows, prov)}.\n\n",
+           f"{_commit(prov)}, {prov['hardware']['cpus']} CPUs{_load_phrase(prov, rows)}.\n\n",
            "| max_async_level | steps | samples | mean step s | steps/hour | vs sync | gen busy s/step | "
            "train s/step | reward (2nd half, ± s.e.) | held-out avg (± s.e.) | staleness (samples by age) |\n",
            "|---|---|---|---|---|---|---|---|---|---|---|\n"]
@@ -132,7 +128,7 @@ def sft_bench_section(cfg) -> str:
     if b is None:
         return "_No SFT benchmark yet: run `make bench-sft`._\n"
     prov, arms = b["provenance"], b["arms"]
-    loads = ", ".join(f"{r['load_avg_1m_at_start']:.1f}" for r in b["runs"])
+    loads = ", ".join(_load(r["load_avg_1m_at_start"]) for r in b["runs"])
     out = [f"Reproduce: `{b['command']}`. The preset's SFT from the base model, {b['steps']} steps of "
            f"{b['batch_size']} random rows (the same rows in both arms), run {', '.join(b['order'])} in turn; each "
            "arm's figures are the mean of its runs. Tokens/s: trained tokens a step (padding left out) over the "
@@ -159,7 +155,7 @@ def trl_bench_section(cfg) -> str:
     if b is None:
         return "_No TRL comparison yet: run `make bench-trl`._\n"
     prov, arms = b["provenance"], b["arms"]
-    loads = ", ".join(f"{r['load_avg_1m_at_end']:.1f}" for r in b["runs"])
+    loads = ", ".join(_load(r["load_avg_1m_at_end"]) for r in b["runs"])
     out = [f"Reproduce: `{b['command']}`. Both arms from the SFT model: {b['steps']} optimizer steps of "
            f"{b['batch_size']} prompts x {b['rollouts_per_example']} samples, {b['max_new_tokens']} new tokens, the "
            f"same LR and optimizer, prompts of {', '.join(b['envs'])} in the env mix's proportions, scored by the "
@@ -221,7 +217,8 @@ def soak_section(cfg) -> str:
            "Growth = a least-squares line of the floor against step after the warm-up (the first fifth of the "
            "steps), over the steps it covers; flat = growth under 5% of the median floor or 16 MB. Sandbox runs "
            f"are short-lived processes: their largest sum at one sample was {b['sandbox_max_mb']:.0f} MB. Commit "
-           f"{_commit(prov)}, {prov['hardware']['cpus']} CPUs, load {b['load_avg_1m_at_end']:.1f} at the end.\n\n",
+           f"{_commit(prov)}, {prov['hardware']['cpus']} CPUs, load {_load(prov.get('load_avg_1m_at_end'))} at the "
+           "end.\n\n",
            "| process | floor MB, first -> last window after warm-up | median MB | peak MB | growth of the floor MB | "
            "flat |\n",
            "|---|---|---|---|---|---|\n"]

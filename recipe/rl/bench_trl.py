@@ -196,7 +196,7 @@ def run_arm(argv: list[str], arm: str, out_dir: str, result_path: str) -> None:
         "masked_samples": masked, "held_out_avg": held_out["overall"]["avg"],
         "held_out_se": math.sqrt(sum(se ** 2 for se in env_se)) / len(env_se),
         "held_out_env": {e: v[f"avg@{cfg.eval.samples}"] for e, v in held_out["env"].items()},
-        "load_avg_1m_at_end": os.getloadavg()[0],
+        "load_avg_1m_at_end": load_avg(),
     }
     write_atomic(Path(result_path), json.dumps(result, indent=2, sort_keys=True))
 

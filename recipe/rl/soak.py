@@ -182,7 +182,7 @@ def run_soak(cfg, start_model: Path, out: Path, figure: Path) -> dict:
                   f"steps {warm}-{steps} (bound {r['bound_mb']:.0f} MB): {'flat' if r['flat'] else 'GROWING'}")
     return {"steps": steps, "sample_s": cfg.rl.soak_sample_s, "samples": len(rows), "roles": roles,
             "sandbox_max_mb": max(sandbox, default=0.0), "sandbox_samples": len(sandbox),
-            "flat": all(r["flat"] for r in roles), "load_avg_1m_at_end": os.getloadavg()[0]}
+            "flat": all(r["flat"] for r in roles)}
 
 
 @stage_main

@@ -447,11 +447,11 @@ def execute(payload: dict, stdin: str, limits: Limits, mode: str, use: str | Non
         cmd = cgroup.join() if cgroup else []
         if uid is not None:
             cmd += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+        harness = [INSIDE, mode, str(ctl_w), str(src)]
         code = _harness_code(exe)
-        if code is not None:
+        if code is not None:  # the same harness from its code object (BOOT reads it from argv[4])
             opened.append(_memfd("sandbox-harness", code))
-        harness = [BOOT, mode, str(ctl_w), str(src), str(opened[-1])] if code is not None else [INSIDE, mode,
-                                                                                               str(ctl_w), str(src)]
+            harness = [BOOT, mode, str(ctl_w), str(src), str(opened[-1])]
         cmd += sandbox + [exe, "-s", "-B", "-c"] + harness
         with _OnCores():
             proc = subprocess.Popen(cmd, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,

@@ -13,7 +13,6 @@ into RESULTS.md.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import time
@@ -62,7 +61,7 @@ def bench_run(cfg, rows_per_sequence: int, dataset, base: str, out_dir) -> dict:
                                           "save_steps": cfg.sft.bench_steps + 1, "logging_steps": 1})
     shutil.rmtree(out_dir, ignore_errors=True)
     model, tokenizer = load_pretrained(base, cfg.model.revision, cfg.model.dtype, cfg.model.attn_implementation)
-    load = os.getloadavg()[0]
+    load = load_avg()
     parts = StepParts()
     train_supervised(model, tokenizer, dataset, train_cfg, out_dir, use_cpu=not torch.cuda.is_available(),
                      callbacks=[parts])
@@ -108,8 +107,7 @@ def main(cfg):
     a, b = runs[0]["loss"], runs[1]["loss"]
     out = {"steps": cfg.sft.bench_steps, "batch_size": cfg.sft.batch_size, "order": list(ORDER), "runs": runs,
            "arms": arms, "speedup": arms["packed"]["tokens_per_s"] / arms["padded"]["tokens_per_s"],
-           "max_loss_difference": max(abs(x - y) for x, y in zip(a, b)),
-           "load_avg_1m_at_end": os.getloadavg()[0]}
+           "max_loss_difference": max(abs(x - y) for x, y in zip(a, b))}
     print(f"bench-sft: packed {arms['packed']['tokens_per_s']:.0f} tokens/s at {arms['packed']['padding']:.1%} padding, "
           f"padded {arms['padded']['tokens_per_s']:.0f} tokens/s at {arms['padded']['padding']:.1%}: "
           f"x{out['speedup']:.2f}; the loss of the two arms differs by at most {out['max_loss_difference']:.2g}")
