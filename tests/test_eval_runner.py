@@ -124,6 +124,13 @@ def test_report_says_how_loaded_the_machine_was_where_a_run_recorded_it(tmp_path
     rl_manifest = tmp_path / "runs" / "tiny" / "rl" / "manifest.json"
     m = json.loads(rl_manifest.read_text())
     rl_manifest.write_text(json.dumps({**m, "load_avg_1m_at_start": 0.53, "load_avg_1m_at_end": 1.71}))
+    sft_eval = tmp_path / "runs" / "tiny" / "eval" / "sft" / "results.json"
+    e = json.loads(sft_eval.read_text())
+    e["provenance"].update(load_avg_1m_at_start=2.84, load_avg_1m_at_end=3.06)
+    sft_eval.write_text(json.dumps(e))
+    (rl_manifest.parent / "eval_during_rl.jsonl").write_text(json.dumps({
+        "step": 0, "k": 2, "set": "held_out", "problems": 4, "temperature": 1.0, "max_new_tokens": 8,
+        "seconds": 1.5, "avg@2": 0.25, "pass@2": 0.5, "by_env": {"math": 0.25}}) + "\n")
     bench = tmp_path / "runs" / "tiny" / "bench"
     bench.mkdir(parents=True)
     prov = {"git": {"commit": "0123456789abcdef", "dirty": False}, "hardware": {"cpus": 2},
@@ -139,9 +146,15 @@ def test_report_says_how_loaded_the_machine_was_where_a_run_recorded_it(tmp_path
                     {**level, "max_async_level": 1, "load_avg_1m_at_start": 1.87}],
         "command": "make bench-rl PRESET=tiny", "provenance": prov}))
     text = write_report(cfg).read_text()
-    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
-    assert "| 0.5 / 1.7 |" in rows["| rl"]  # the stage that recorded it
-    assert "| - / - |" in rows["| sft"]  # a manifest from before loads were recorded
+    held_out, stages = text.split("### Stages")
+    rows = {line.split(" | ")[0]: line for line in held_out.splitlines() if line.startswith("| ")}
+    stage_rows = {line.split(" | ")[0]: line for line in stages.splitlines() if line.startswith("| ")}
+    assert "| 0.5 / 1.7 |" in stage_rows["| rl"]  # the stage that recorded it
+    assert "| - / - |" in stage_rows["| sft"]  # a manifest from before loads were recorded
+    # the held-out table: each eval's wall time with its load, "-" for an eval from before loads were recorded
+    assert "| load (1 min) at start / end |" in text.split("\n| base |")[0]
+    assert "| 2.8 / 3.1 |" in rows["| sft"] and "| - / - |" in rows["| rl"]
+    assert "RL stage: commit " in text and ", 2 CPUs, load 0.5 at the start, 1.7 at the end.\n" in text
     assert "2 CPUs, load 0.2 at the start, 2.4 at the end." in text.split("## Performance: code sandbox")[1]
     assert "2 CPUs, load 0.3, 1.9 at the levels' starts, 2.4 at the end." in text
 

@@ -61,8 +61,9 @@ def tiny_table(cfg, results: dict[str, dict]) -> str:
     k = cfg.eval.samples
     envs = sorted({e for r in results.values() for e in r["env"]})
     head = "| checkpoint | " + " | ".join(f"{e} avg@{k} (± s.e.)" for e in envs) + \
-        " | " + " | ".join(f"{e} pass@{k}" for e in envs) + " | mean avg@k | wall s | config | commit |\n"
-    sep = "|" + "---|" * (5 + 2 * len(envs)) + "\n"
+        " | " + " | ".join(f"{e} pass@{k}" for e in envs) + \
+        " | mean avg@k | wall s | load (1 min) at start / end | config | commit |\n"
+    sep = "|" + "---|" * (6 + 2 * len(envs)) + "\n"
     lines = []
     for name, r in results.items():
         prov = r["provenance"]
@@ -73,7 +74,8 @@ def tiny_table(cfg, results: dict[str, dict]) -> str:
         commit = _commit(prov)
         overall = _num(r["overall"].get("avg")) if at_k else "-"
         lines.append(f"| {name} | " + " | ".join(cells) +
-                     f" | {overall} | {prov['wall_s']:.0f} | `{prov['config_hash']}` | {commit} |\n")
+                     f" | {overall} | {prov['wall_s']:.0f} | {_load(prov.get('load_avg_1m_at_start'))} / "
+                     f"{_load(prov.get('load_avg_1m_at_end'))} | `{prov['config_hash']}` | {commit} |\n")
     return head + sep + "".join(lines)
 
 
@@ -456,7 +458,7 @@ def eval_during_rl_section(cfg, root: Path, rl: list[dict]) -> str:
     manifest = stage_dir(cfg, "rl") / "manifest.json"
     prov = read_json(manifest) if manifest.exists() else None
     where = (f" RL stage: commit {_commit(prov)}, config `{prov['config_hash']}`, {prov['wall_s']:.0f} s wall, "
-             f"{prov['hardware']['cpus']} CPUs." if prov else " The RL stage has not finished: no manifest yet.")
+             f"{prov['hardware']['cpus']} CPUs{_load_phrase(prov)}." if prov else " The RL stage has not finished: no manifest yet.")
     spent = sum(r["seconds"] for r in records)
     share = f" ({100 * spent / prov['wall_s']:.1f}% of the stage's wall time)" if prov and prov["wall_s"] else ""
     out = [f"Reproduce: `make rl PRESET={cfg.preset}` (rl.eval_every, rl.eval_set, rl.eval_samples, "
