@@ -902,13 +902,39 @@ def test_a_run_imports_nothing_heavy_before_the_program():
     """Each sandboxed run starts an interpreter: the harness must not add json, re, enum or signal to what the
     interpreter imports by itself (site included), in either mode."""
     heavy = {"json", "re", "enum", "signal"}
-    plain = subprocess.run([runner.interpreter(), "-s", "-B", "-c", "import sys; print(' '.join(sys.modules))"],
+    plain = subprocess.run([runner.interpreter(), *runner.PYTHON_FLAGS, "-c",
+                            "import sys; print(' '.join(sys.modules))"],
                            capture_output=True, text=True, check=True, env={"PATH": runner.PATH}).stdout.split()
     probe = "sorted(m for m in sys.modules if m in {!r} and m not in {!r})".format(heavy, set(plain))
     res = run_python(f"import sys\nprint({probe})", "", FAST)
     assert res.status == "ok" and res.stdout.strip() == "[]", res
     report = run_tests(f"import sys\ndef f():\n    return {probe}", [{"fn": "f", "args": [], "expected": []}], FAST)
     assert report.results == ["pass"], report
+
+
+def test_a_run_sees_the_standard_library_only_and_no_startup_code_of_the_host():
+    """The sandbox's interpreter starts without site: no .pth file of the host's Python runs before the harness,
+    and the program's import path holds the standard library alone, whatever the host has installed there.
+    exit() and quit(), which site would have defined, still end the program as they do anywhere."""
+    import sysconfig
+
+    probe = ("import sys\n"
+             "print('site' in sys.modules, sys.flags.no_site)\n"
+             "print('\\n'.join(p for p in sys.path if p))\n")
+    res = run_python(probe, "", FAST)
+    assert res.status == "ok", res
+    first, *paths = res.stdout.strip().splitlines()
+    assert first == "False 1"
+    stdlib = subprocess.run([runner.interpreter(), "-S", "-c", "import sysconfig; print(sysconfig.get_paths()"
+                             "['stdlib'])"], capture_output=True, text=True, check=True).stdout.strip()
+    assert paths and all("-packages" not in p for p in paths), paths
+    assert stdlib in paths and sysconfig.get_paths()["purelib"] not in paths, paths
+    for call, code in (("exit()", 0), ("quit()", 0), ("exit(3)", 3), ("quit(4)", 4)):
+        res = run_python(f"print('before')\n{call}\nprint('after')", "", FAST)
+        assert res.stdout == "before\n" and res.returncode == code, (call, res)
+        assert res.status == ("ok" if code == 0 else "error"), (call, res)
+    report = run_tests("exit(2)\ndef f():\n    return 1", [{"fn": "f", "args": [], "expected": 1}], FAST)
+    assert report.results != ["pass"], report
 
 
 def test_a_function_gets_the_json_values_of_its_arguments():

@@ -214,6 +214,19 @@ def _harness(ctl, ns, payload):
             _send(ctl, {"i": i, "error": _describe(e)})
 
 
+def _quitter(name):
+    """exit() and quit() as site defines them: close stdin, then raise SystemExit(code)."""
+    def leave(code=None):
+        try:
+            sys.stdin.close()
+        except BaseException:
+            pass
+        raise SystemExit(code)
+
+    leave.__name__ = leave.__qualname__ = name
+    return leave
+
+
 def _main():
     mode, ctl, src = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     chunks = []
@@ -253,6 +266,9 @@ def _main():
     module = types.ModuleType("__main__" if mode == "script" else "solution")
     module.__file__ = "solution.py"
     module.__builtins__ = builtins
+    for name in ("exit", "quit"):  # site's, which this interpreter (-S) did not import
+        if not hasattr(builtins, name):
+            setattr(builtins, name, _quitter(name))
     sys.modules[module.__name__] = module
     sys.argv = ["solution.py"]
     try:

@@ -75,6 +75,10 @@ BOOT = ("import marshal, os, sys\nfd, parts = int(sys.argv[4]), []\nwhile True:\
 COMPILE = ("import marshal, sys\n"
            "sys.stdout.buffer.write(marshal.dumps(compile(sys.stdin.buffer.read(), '<sandbox harness>', 'exec')))\n")
 PATH = "/usr/local/bin:/usr/bin:/bin"
+# -S: no site, so no .pth file of the host's Python runs code before the harness (about a quarter of an
+# interpreter's start here) and a program sees the standard library only, whatever the host has installed;
+# the harness gives it exit() and quit(), which site would have. -B: no .pyc files written.
+PYTHON_FLAGS = ("-S", "-B")
 UNISOLATED_OPT_IN = "RECIPE_SANDBOX_UNISOLATED"
 
 
@@ -248,7 +252,7 @@ def _harness_code(exe: str) -> bytes | None:
     with _code_lock:
         if exe not in _harness_codes:
             try:
-                out = subprocess.run([exe, "-s", "-B", "-c", COMPILE], input=INSIDE.encode(), capture_output=True,
+                out = subprocess.run([exe, *PYTHON_FLAGS, "-c", COMPILE], input=INSIDE.encode(), capture_output=True,
                                      timeout=30, env={"PATH": PATH})
                 _harness_codes[exe] = out.stdout if out.returncode == 0 and out.stdout else None
             except (OSError, subprocess.SubprocessError):
@@ -452,7 +456,7 @@ def execute(payload: dict, stdin: str, limits: Limits, mode: str, use: str | Non
         if code is not None:  # the same harness from its code object (BOOT reads it from argv[4])
             opened.append(_memfd("sandbox-harness", code))
             harness = [BOOT, mode, str(ctl_w), str(src), str(opened[-1])]
-        cmd += sandbox + [exe, "-s", "-B", "-c"] + harness
+        cmd += sandbox + [exe, *PYTHON_FLAGS, "-c"] + harness
         with _OnCores():
             proc = subprocess.Popen(cmd, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
                                     env=env, pass_fds=[fd for fd in opened if fd != ctl_r], start_new_session=True)
