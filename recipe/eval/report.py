@@ -458,7 +458,8 @@ def eval_during_rl_section(cfg, root: Path, rl: list[dict]) -> str:
     manifest = stage_dir(cfg, "rl") / "manifest.json"
     prov = read_json(manifest) if manifest.exists() else None
     where = (f" RL stage: commit {_commit(prov)}, config `{prov['config_hash']}`, {prov['wall_s']:.0f} s wall, "
-             f"{prov['hardware']['cpus']} CPUs{_load_phrase(prov)}." if prov else " The RL stage has not finished: no manifest yet.")
+             f"{prov['hardware']['cpus']} CPUs{_load_phrase(prov)}." if prov
+             else " The RL stage has not finished: no manifest yet.")
     spent = sum(r["seconds"] for r in records)
     share = f" ({100 * spent / prov['wall_s']:.1f}% of the stage's wall time)" if prov and prov["wall_s"] else ""
     out = [f"Reproduce: `make rl PRESET={cfg.preset}` (rl.eval_every, rl.eval_set, rl.eval_samples, "
