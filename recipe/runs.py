@@ -32,7 +32,7 @@ import time
 import zipfile
 from importlib import metadata
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 from omegaconf import OmegaConf
 
@@ -180,6 +180,16 @@ def load_avg() -> float | None:
         return None
 
 
+class Began(NamedTuple):
+    """When a piece of work began and how loaded the machine was then: the start figures of its provenance."""
+    time: float
+    load: float | None
+
+    @classmethod
+    def now(cls) -> "Began":
+        return cls(time.time(), load_avg())
+
+
 def hardware() -> dict:
     import torch
 
@@ -198,8 +208,7 @@ class Stage:
         self.name = name
         self.dir = stage_dir(cfg, name)
         self.hash = config_hash(cfg, STAGE_KEYS[name])
-        self.started = None
-        self.load_at_start: float | None = None
+        self.began: Began | None = None
         self.upstream: dict[str, str] = {}  # upstream stage -> the config hash its DONE.json recorded
 
     @property
@@ -241,8 +250,7 @@ class Stage:
                     p.unlink(missing_ok=True)
         self.dir.mkdir(parents=True, exist_ok=True)
         write_atomic(self.dir / "config.yaml", OmegaConf.to_yaml(self.cfg, resolve=True))
-        self.started = time.time()
-        self.load_at_start = load_avg()
+        self.began = Began.now()
 
     def run(self, body: Callable[["Stage", dict], dict], requires: tuple[str, ...] = (), fresh: bool = False,
             before_done: Callable[[dict], None] | None = None):
@@ -264,8 +272,8 @@ class Stage:
         """Write the provenance manifest, then before_done(manifest) when given (a model folder's card, which
         recipe.rl.dist.run_stage_on_ranks writes from the manifest), then DONE.json: the last write of the stage,
         so whatever before_done writes is there when the stage counts as finished."""
-        manifest = provenance(self.cfg, self.name, self.hash, self.started, inputs, outputs,
-                              {"upstream": self.upstream, **(extra or {})}, load_at_start=self.load_at_start)
+        manifest = provenance(self.cfg, self.name, self.hash, self.began, inputs, outputs,
+                              {"upstream": self.upstream, **(extra or {})})
         write_atomic(self.dir / "manifest.json", json.dumps(manifest, indent=2, sort_keys=True))
         if before_done is not None:
             before_done(manifest)
@@ -320,12 +328,12 @@ class StageLock:
             self.fd = None
 
 
-def provenance(cfg, stage: str, cfg_hash: str, started: float | None, inputs: dict, outputs: dict,
-               extra: dict | None = None, load_at_start: float | None = None) -> dict:
+def provenance(cfg, stage: str, cfg_hash: str, began: Began | None, inputs: dict, outputs: dict,
+               extra: dict | None = None) -> dict:
     """Who made an output, from what, with which code and packages, on which hardware, how loaded, in how long.
-    load_at_start: load_avg() when the work began (its own load is in the figure at the end)."""
+    began: Began.now() when the work began (None: it is taken to have begun now)."""
     end = time.time()
-    started = started or end
+    started = began.time if began else end
     return {
         "stage": stage,
         "preset": cfg.preset,
@@ -338,7 +346,7 @@ def provenance(cfg, stage: str, cfg_hash: str, started: float | None, inputs: di
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started)),
         "ended": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(end)),
         "wall_s": round(end - started, 2),
-        "load_avg_1m_at_start": load_at_start,
+        "load_avg_1m_at_start": began.load if began else None,
         "load_avg_1m_at_end": load_avg(),
         "inputs": {k: sha256_tree(v) if not isinstance(v, str) else v for k, v in inputs.items()},
         "outputs": {k: sha256_tree(v) for k, v in outputs.items()},

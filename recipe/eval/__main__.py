@@ -19,7 +19,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -37,7 +36,7 @@ from recipe.inference.hf import HFEngine
 from recipe.inference.vllm import VLLMEngine
 from recipe.launch.roles import INFERENCE_URLS_ENV
 from recipe.model_card import write_card
-from recipe.runs import (STAGE_KEYS, Stage, done_hash, load_avg, provenance, require_done, stage_dir, stage_main,
+from recipe.runs import (STAGE_KEYS, Began, Stage, done_hash, provenance, require_done, stage_dir, stage_main,
                          write_atomic)
 from recipe.tracking import Tracker, open_tracker
 
@@ -207,7 +206,7 @@ def run_eval(cfg, stage: Stage, tracker: Tracker) -> None:
         model_input = model.ref if model.kind == "hub" else model.path
         try:
             for spec, key in jobs:
-                started, load_at_start = time.time(), load_avg()
+                began = Began.now()
                 if spec is None:
                     ecfg, chosen = held_out_config(cfg, held, engine, rows)
                     res = evaluate(engine, engine.tokenizer, rows, ecfg, out, desc=f"eval {name}")
@@ -229,10 +228,9 @@ def run_eval(cfg, stage: Stage, tracker: Tracker) -> None:
                     label = f"{name} {spec.title}"
                 res.update({"key": key, "checkpoint": entry, "model_sha": model_sha})
                 where = f"eval/{name}" + (f"/{spec.name}" if spec else "")
-                res["provenance"] = provenance(cfg, where, config_hash(cfg, STAGE_KEYS["eval"]), started,
+                res["provenance"] = provenance(cfg, where, config_hash(cfg, STAGE_KEYS["eval"]), began,
                                                inputs=inputs, outputs={"samples": res_path.parent / "samples.jsonl"},
-                                               extra={"upstream": upstream, "model": described},
-                                               load_at_start=load_at_start)
+                                               extra={"upstream": upstream, "model": described})
                 write_atomic(res_path, json.dumps(res, indent=2, sort_keys=True))
                 print(f"eval: {label}: {summary}")
                 logged.update(scores(spec, res))

@@ -74,8 +74,8 @@ def tiny_table(cfg, results: dict[str, dict]) -> str:
         commit = _commit(prov)
         overall = _num(r["overall"].get("avg")) if at_k else "-"
         lines.append(f"| {name} | " + " | ".join(cells) +
-                     f" | {overall} | {prov['wall_s']:.0f} | {_load(prov.get('load_avg_1m_at_start'))} / "
-                     f"{_load(prov.get('load_avg_1m_at_end'))} | `{prov['config_hash']}` | {commit} |\n")
+                     f" | {overall} | {prov['wall_s']:.0f} | {_load_pair(prov)} | `{prov['config_hash']}` | "
+                     f"{commit} |\n")
     return head + sep + "".join(lines)
 
 
@@ -88,6 +88,11 @@ def _bench_json(cfg, name: str) -> dict | None:
 def _load(value) -> str:
     """A 1-minute load average as the report prints it ("-": not recorded, by an older run or the OS)."""
     return "-" if value is None else f"{value:.1f}"
+
+
+def _load_pair(prov: dict) -> str:
+    """"A / B": the load as a run began and as it ended, for a table's "load (1 min) at start / end" column."""
+    return f"{_load(prov.get('load_avg_1m_at_start'))} / {_load(prov.get('load_avg_1m_at_end'))}"
 
 
 def _load_phrase(prov: dict, levels: list[dict] | None = None) -> str:
@@ -362,9 +367,8 @@ def stage_table(cfg) -> str:
         if p.exists():
             m = read_json(p)
             commit = _commit(m)
-            load = f"{_load(m.get('load_avg_1m_at_start'))} / {_load(m.get('load_avg_1m_at_end'))}"
-            out.append(f"| {name} | {m['wall_s']:.0f} | {load} | `{m['config_hash']}` | {commit} | `make {name} "
-                       f"PRESET={cfg.preset}` |\n")
+            out.append(f"| {name} | {m['wall_s']:.0f} | {_load_pair(m)} | `{m['config_hash']}` | {commit} | "
+                       f"`make {name} PRESET={cfg.preset}` |\n")
     return "".join(out)
 
 

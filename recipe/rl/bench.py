@@ -21,7 +21,7 @@ from recipe.eval.report import write_report
 from recipe.eval.runner import evaluate
 from recipe.inference.hf import HFEngine
 from recipe.rl.loop import run_rl
-from recipe.runs import load_avg, provenance, require_done, stage_dir, stage_main, write_atomic
+from recipe.runs import Began, load_avg, provenance, require_done, stage_dir, stage_main, write_atomic
 
 LEVELS = (0, 1, 2)
 
@@ -70,7 +70,7 @@ def bench_level(cfg, level: int, out_dir, eval_rows):
 def main(cfg):
     rows = read_split(require_done(cfg, "data"), "eval")
     bench_dir = stage_dir(cfg, "bench")
-    started, load_at_start = time.time(), load_avg()
+    began = Began.now()
     results = [bench_level(cfg, level, bench_dir / f"async{level}", rows) for level in LEVELS]
     base = results[0]
     for r in results:
@@ -80,8 +80,7 @@ def main(cfg):
               f"held-out {r['held_out_avg']:.3f}")
     overrides = " ".join(a for a in sys.argv[1:] if not a.startswith(("preset=", "run_root=")))
     out = {"results": results, "command": f"make bench-rl PRESET={cfg.preset}" + (f' ARGS="{overrides}"' if overrides else ""),
-           "provenance": provenance(cfg, "bench-rl", "", started, inputs={}, outputs={},
-                                    load_at_start=load_at_start)}
+           "provenance": provenance(cfg, "bench-rl", "", began, inputs={}, outputs={})}
     write_atomic(bench_dir / "rl.json", json.dumps(out, indent=2, sort_keys=True))
     write_report(cfg)
 

@@ -51,7 +51,7 @@ from recipe.inference.hf import HFEngine
 from recipe.model import load_pretrained
 from recipe.rl.loop import run_rl
 from recipe.rl.soak import RSSSampler
-from recipe.runs import load_avg, provenance, require_done, stage_dir, stage_main, write_atomic
+from recipe.runs import Began, load_avg, provenance, require_done, stage_dir, stage_main, write_atomic
 
 ENVS = ("math", "logic", "code")
 ORDER = ("recipe", "trl", "recipe")
@@ -205,7 +205,7 @@ def bench(cfg, argv: list[str]) -> None:
     bench_config(cfg)  # a mix without any of the environments is refused before anything runs
     require_done(cfg, "sft")
     bench_dir = stage_dir(cfg, "bench")
-    started, load_at_start = time.time(), load_avg()
+    began = Began.now()
     spawn = multiprocessing.get_context("spawn")
     runs = []
     for i, arm in enumerate(ORDER):
@@ -241,8 +241,7 @@ def bench(cfg, argv: list[str]) -> None:
            "steps": cfg.rl.bench_steps, "batch_size": cfg.rl.batch_size,
            "rollouts_per_example": cfg.rl.rollouts_per_example, "max_new_tokens": cfg.rl.max_new_tokens,
            "command": f"make bench-trl PRESET={cfg.preset}" + (f' ARGS="{overrides}"' if overrides else ""),
-           "provenance": provenance(cfg, "bench-trl", "", started, inputs={}, outputs={},
-                                    load_at_start=load_at_start)}
+           "provenance": provenance(cfg, "bench-trl", "", began, inputs={}, outputs={})}
     write_atomic(bench_dir / "trl.json", json.dumps(out, indent=2, sort_keys=True))
     write_report(cfg)
 

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from recipe.eval.report import write_report
 from recipe.rl.loop import run_rl
-from recipe.runs import load_avg, provenance, require_done, stage_dir, stage_main, write_atomic
+from recipe.runs import Began, provenance, require_done, stage_dir, stage_main, write_atomic
 
 WARMUP_SHARE = 0.2
 FLAT_SHARE = 0.05
@@ -190,13 +190,12 @@ def main(cfg):
     # beside the learning curves: the repository's results/ for the default run root, else the run root's own
     root = Path(".") if cfg.run_root == "runs" else Path(cfg.run_root)
     figure = Path("results") / f"{cfg.preset}_soak.png"
-    started, load_at_start = time.time(), load_avg()
+    began = Began.now()
     result = run_soak(cfg, require_done(cfg, "sft") / "model", stage_dir(cfg, "bench") / "soak", root / figure)
     overrides = " ".join(a for a in sys.argv[1:] if not a.startswith(("preset=", "run_root=")))
     result |= {"figure": str(figure),
                "command": f"make soak PRESET={cfg.preset}" + (f' ARGS="{overrides}"' if overrides else ""),
-               "provenance": provenance(cfg, "soak", "", started, inputs={}, outputs={},
-                                        load_at_start=load_at_start)}
+               "provenance": provenance(cfg, "soak", "", began, inputs={}, outputs={})}
     write_atomic(stage_dir(cfg, "bench") / "soak.json", json.dumps(result, indent=2, sort_keys=True))
     print(f"report: wrote {write_report(cfg)}")
 

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from recipe.errors import StageError
 from recipe.eval.report import write_report
-from recipe.runs import load_avg, provenance, stage_dir, stage_main, write_atomic
+from recipe.runs import Began, provenance, stage_dir, stage_main, write_atomic
 from recipe.sandbox import Limits, backend, run_python
 
 PROGRAMS = 200
@@ -42,14 +42,13 @@ def bench(programs: int = PROGRAMS, workers: int = WORKERS) -> dict:
 
 @stage_main
 def main(cfg):
-    started, load_at_start = time.time(), load_avg()
+    began = Began.now()
     out = bench()
     print(f"bench-sandbox: {out['programs']} programs in {out['seconds']:.2f} s with {out['workers']} workers: "
           f"{out['programs_per_s']:.1f} programs/s ({out['backend']})")
     overrides = " ".join(a for a in sys.argv[1:] if not a.startswith(("preset=", "run_root=")))
     out["command"] = f"make bench-sandbox PRESET={cfg.preset}" + (f' ARGS="{overrides}"' if overrides else "")
-    out["provenance"] = provenance(cfg, "bench-sandbox", "", started, inputs={}, outputs={},
-                                   load_at_start=load_at_start)
+    out["provenance"] = provenance(cfg, "bench-sandbox", "", began, inputs={}, outputs={})
     write_atomic(stage_dir(cfg, "bench") / "sandbox.json", json.dumps(out, indent=2, sort_keys=True))
     print(f"bench-sandbox: wrote {write_report(cfg)}")
 

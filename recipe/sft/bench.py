@@ -26,7 +26,7 @@ from recipe.data.schema import read_split
 from recipe.errors import ConfigError
 from recipe.eval.report import write_report
 from recipe.model import load_pretrained
-from recipe.runs import load_avg, provenance, require_done, stage_dir, stage_main, write_atomic
+from recipe.runs import Began, load_avg, provenance, require_done, stage_dir, stage_main, write_atomic
 from recipe.sft import chat_dataset, train_supervised
 
 ORDER = ("padded", "packed", "padded", "packed")
@@ -90,7 +90,7 @@ def main(cfg):
     _, tokenizer = load_pretrained(base, cfg.model.revision, cfg.model.dtype, cfg.model.attn_implementation)
     dataset = chat_dataset(read_split(require_done(cfg, "data"), "sft"), tokenizer)
     bench_dir = stage_dir(cfg, "bench")
-    started, load_at_start = time.time(), load_avg()
+    began = Began.now()
     runs = []
     for i, arm in enumerate(ORDER):
         run = bench_run(cfg, 1 if arm == "padded" else packed_rows, dataset, base, bench_dir / f"sft_{i}_{arm}")
@@ -113,8 +113,7 @@ def main(cfg):
           f"x{out['speedup']:.2f}; the loss of the two arms differs by at most {out['max_loss_difference']:.2g}")
     overrides = " ".join(a for a in sys.argv[1:] if not a.startswith(("preset=", "run_root=")))
     out["command"] = f"make bench-sft PRESET={cfg.preset}" + (f' ARGS="{overrides}"' if overrides else "")
-    out["provenance"] = provenance(cfg, "bench-sft", "", started, inputs={}, outputs={},
-                                   load_at_start=load_at_start)
+    out["provenance"] = provenance(cfg, "bench-sft", "", began, inputs={}, outputs={})
     write_atomic(bench_dir / "sft.json", json.dumps(out, indent=2, sort_keys=True))
     write_report(cfg)
 
