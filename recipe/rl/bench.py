@@ -10,18 +10,17 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import sys
 import time
 
 import torch
 from omegaconf import OmegaConf
 
 from recipe.data.schema import read_split
-from recipe.eval.report import write_report
+from recipe.eval.report import write_bench
 from recipe.eval.runner import evaluate
 from recipe.inference.hf import HFEngine
 from recipe.rl.loop import run_rl
-from recipe.runs import Began, load_avg, provenance, require_done, stage_dir, stage_main, write_atomic
+from recipe.runs import Began, load_avg, require_done, stage_dir, stage_main
 
 LEVELS = (0, 1, 2)
 
@@ -78,11 +77,7 @@ def main(cfg):
         print(f"bench-rl: level {r['max_async_level']}: {r['steps_per_hour']:.0f} steps/h "
               f"(x{r['speedup_vs_sync']:.2f} of sync), reward {r['reward_second_half']:.3f}, "
               f"held-out {r['held_out_avg']:.3f}")
-    overrides = " ".join(a for a in sys.argv[1:] if not a.startswith(("preset=", "run_root=")))
-    out = {"results": results, "command": f"make bench-rl PRESET={cfg.preset}" + (f' ARGS="{overrides}"' if overrides else ""),
-           "provenance": provenance(cfg, "bench-rl", "", began, inputs={}, outputs={})}
-    write_atomic(bench_dir / "rl.json", json.dumps(out, indent=2, sort_keys=True))
-    write_report(cfg)
+    write_bench(cfg, "bench-rl", "rl", {"results": results}, began)
 
 
 if __name__ == "__main__":

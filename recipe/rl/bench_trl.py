@@ -45,13 +45,13 @@ from recipe.config import load_config
 from recipe.data.schema import read_split
 from recipe.envs import get_env
 from recipe.errors import ConfigError, StageError
-from recipe.eval.report import write_report
+from recipe.eval.report import write_bench
 from recipe.eval.runner import evaluate
 from recipe.inference.hf import HFEngine
 from recipe.model import load_pretrained
 from recipe.rl.loop import run_rl
 from recipe.rl.soak import RSSSampler
-from recipe.runs import Began, load_avg, provenance, require_done, stage_dir, stage_main, write_atomic
+from recipe.runs import Began, load_avg, require_done, stage_dir, stage_main, write_atomic
 
 ENVS = ("math", "logic", "code")
 ORDER = ("recipe", "trl", "recipe")
@@ -235,15 +235,11 @@ def bench(cfg, argv: list[str]) -> None:
           f"x{arms['trl']['cpu_s_per_trained'] / arms['recipe']['cpu_s_per_trained']:.2f} fewer; held-out "
           f"{arms['recipe']['held_out_avg']:.3f} against {arms['trl']['held_out_avg']:.3f} (difference {gap:+.3f}, "
           f"2 s.e. {two_se:.3f})")
-    overrides = " ".join(a for a in argv if not a.startswith(("preset=", "run_root=")))
     out = {"order": list(ORDER), "runs": runs, "arms": arms, "speedup": speedup, "held_out_gap": gap,
            "held_out_two_se": two_se, "envs": list(bench_config(cfg).rl.env_mix),
            "steps": cfg.rl.bench_steps, "batch_size": cfg.rl.batch_size,
-           "rollouts_per_example": cfg.rl.rollouts_per_example, "max_new_tokens": cfg.rl.max_new_tokens,
-           "command": f"make bench-trl PRESET={cfg.preset}" + (f' ARGS="{overrides}"' if overrides else ""),
-           "provenance": provenance(cfg, "bench-trl", "", began, inputs={}, outputs={})}
-    write_atomic(bench_dir / "trl.json", json.dumps(out, indent=2, sort_keys=True))
-    write_report(cfg)
+           "rollouts_per_example": cfg.rl.rollouts_per_example, "max_new_tokens": cfg.rl.max_new_tokens}
+    write_bench(cfg, "bench-trl", "trl", out, began, argv)
 
 
 def main(argv=None):

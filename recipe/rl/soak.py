@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,9 +22,9 @@ from pathlib import Path
 import psutil
 from omegaconf import OmegaConf
 
-from recipe.eval.report import write_report
+from recipe.eval.report import write_bench
 from recipe.rl.loop import run_rl
-from recipe.runs import Began, provenance, require_done, stage_dir, stage_main, write_atomic
+from recipe.runs import Began, require_done, stage_dir, stage_main
 
 WARMUP_SHARE = 0.2
 FLAT_SHARE = 0.05
@@ -192,12 +191,7 @@ def main(cfg):
     figure = Path("results") / f"{cfg.preset}_soak.png"
     began = Began.now()
     result = run_soak(cfg, require_done(cfg, "sft") / "model", stage_dir(cfg, "bench") / "soak", root / figure)
-    overrides = " ".join(a for a in sys.argv[1:] if not a.startswith(("preset=", "run_root=")))
-    result |= {"figure": str(figure),
-               "command": f"make soak PRESET={cfg.preset}" + (f' ARGS="{overrides}"' if overrides else ""),
-               "provenance": provenance(cfg, "soak", "", began, inputs={}, outputs={})}
-    write_atomic(stage_dir(cfg, "bench") / "soak.json", json.dumps(result, indent=2, sort_keys=True))
-    print(f"report: wrote {write_report(cfg)}")
+    print(f"report: wrote {write_bench(cfg, 'soak', 'soak', {**result, 'figure': str(figure)}, began)}")
 
 
 if __name__ == "__main__":

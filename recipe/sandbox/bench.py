@@ -4,14 +4,12 @@ runs/<preset>/bench/sandbox.json and rewrites RESULTS.md.
 """
 from __future__ import annotations
 
-import json
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from recipe.errors import StageError
-from recipe.eval.report import write_report
-from recipe.runs import Began, provenance, stage_dir, stage_main, write_atomic
+from recipe.eval.report import write_bench
+from recipe.runs import Began, stage_main
 from recipe.sandbox import Limits, backend, run_python
 
 PROGRAMS = 200
@@ -46,11 +44,7 @@ def main(cfg):
     out = bench()
     print(f"bench-sandbox: {out['programs']} programs in {out['seconds']:.2f} s with {out['workers']} workers: "
           f"{out['programs_per_s']:.1f} programs/s ({out['backend']})")
-    overrides = " ".join(a for a in sys.argv[1:] if not a.startswith(("preset=", "run_root=")))
-    out["command"] = f"make bench-sandbox PRESET={cfg.preset}" + (f' ARGS="{overrides}"' if overrides else "")
-    out["provenance"] = provenance(cfg, "bench-sandbox", "", began, inputs={}, outputs={})
-    write_atomic(stage_dir(cfg, "bench") / "sandbox.json", json.dumps(out, indent=2, sort_keys=True))
-    print(f"bench-sandbox: wrote {write_report(cfg)}")
+    print(f"bench-sandbox: wrote {write_bench(cfg, 'bench-sandbox', 'sandbox', out, began)}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import time
 from statistics import mean, median
 
@@ -24,9 +23,9 @@ from transformers import TrainerCallback
 
 from recipe.data.schema import read_split
 from recipe.errors import ConfigError
-from recipe.eval.report import write_report
+from recipe.eval.report import write_bench
 from recipe.model import load_pretrained
-from recipe.runs import Began, load_avg, provenance, require_done, stage_dir, stage_main, write_atomic
+from recipe.runs import Began, load_avg, require_done, stage_dir, stage_main
 from recipe.sft import chat_dataset, train_supervised
 
 ORDER = ("padded", "packed", "padded", "packed")
@@ -111,11 +110,7 @@ def main(cfg):
     print(f"bench-sft: packed {arms['packed']['tokens_per_s']:.0f} tokens/s at {arms['packed']['padding']:.1%} padding, "
           f"padded {arms['padded']['tokens_per_s']:.0f} tokens/s at {arms['padded']['padding']:.1%}: "
           f"x{out['speedup']:.2f}; the loss of the two arms differs by at most {out['max_loss_difference']:.2g}")
-    overrides = " ".join(a for a in sys.argv[1:] if not a.startswith(("preset=", "run_root=")))
-    out["command"] = f"make bench-sft PRESET={cfg.preset}" + (f' ARGS="{overrides}"' if overrides else "")
-    out["provenance"] = provenance(cfg, "bench-sft", "", began, inputs={}, outputs={})
-    write_atomic(bench_dir / "sft.json", json.dumps(out, indent=2, sort_keys=True))
-    write_report(cfg)
+    write_bench(cfg, "bench-sft", "sft", out, began)
 
 
 if __name__ == "__main__":
