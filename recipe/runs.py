@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 import zipfile
+from contextvars import ContextVar
 from importlib import metadata
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
@@ -490,6 +491,16 @@ def full_disk(e: BaseException, where: Path) -> bool:
     return free * st.f_frsize < LOW_SPACE_BYTES
 
 
+_STAGE_ARGV: ContextVar[list[str] | None] = ContextVar("stage_argv", default=None)
+
+
+def stage_argv() -> list[str]:
+    """The arguments the running stage_main entry point was called with (`main(argv)` from Python as well as the
+    command line); the command line's outside one."""
+    argv = _STAGE_ARGV.get()
+    return sys.argv[1:] if argv is None else argv
+
+
 def stage_main(fn):
     """Entry-point wrapper: the recipe's errors become one clear line on stderr and exit code 2; SIGTERM and
     SIGINT stop the stage with one line and exit code 128 + signal (see StopRequest). A full disk (or quota, or
@@ -499,7 +510,8 @@ def stage_main(fn):
     def main(argv=None):
         spec = getattr(sys.modules.get(fn.__module__), "__spec__", None)  # `python -m recipe.sft`: __main__
         name = (spec.name if spec else fn.__module__).removeprefix("recipe.").removesuffix(".__main__")
-        argv = sys.argv[1:] if argv is None else argv
+        argv = sys.argv[1:] if argv is None else list(argv)
+        called_with = _STAGE_ARGV.set(argv)
         STOP.reset()
         main_thread = threading.current_thread() is threading.main_thread()  # where handlers can be installed
         previous = {s: signal.signal(s, STOP.handler) for s in STOP_SIGNALS} if main_thread else {}
@@ -546,6 +558,7 @@ def stage_main(fn):
         finally:
             for s, h in previous.items():
                 signal.signal(s, h)
+            _STAGE_ARGV.reset(called_with)
             STOP.reset()  # a stop request belongs to this stage: work run later in this process must not see it
 
     return main

@@ -16,7 +16,7 @@ import pytest
 from fakes import TokenEngine, save_tiny_qa_model
 from recipe.config import load_config
 from recipe.data.schema import message, write_rows
-from recipe.runs import Stage, StageError, require_done, stage_dir, stage_main, write_atomic
+from recipe.runs import Stage, StageError, require_done, stage_argv, stage_dir, stage_main, write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,6 +62,23 @@ def test_a_stage_records_the_machines_load_as_it_began_and_ended(cfg_factory, mo
     monkeypatch.setattr(recipe.runs.os, "getloadavg", no_load_average)  # an OS without one: recorded as None
     manifest = Stage(cfg_factory(), "base").run(nothing, requires=("data",))
     assert manifest["load_avg_1m_at_start"] is None and manifest["load_avg_1m_at_end"] is None
+
+
+def test_a_stage_knows_the_arguments_it_was_called_with_and_forgets_them_after(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["prog", "from=the-command-line"])
+    seen = []
+
+    @stage_main
+    def fake(cfg):
+        seen.append(stage_argv())
+        if cfg.rl.max_steps == 1:
+            raise StageError("stop here")
+
+    fake([f"run_root={tmp_path}", "rl.max_steps=3"])
+    with pytest.raises(SystemExit):
+        fake([f"run_root={tmp_path}", "rl.max_steps=1"])
+    assert seen == [[f"run_root={tmp_path}", "rl.max_steps=3"], [f"run_root={tmp_path}", "rl.max_steps=1"]]
+    assert stage_argv() == ["from=the-command-line"]  # outside a stage (and after a failed one): the command line
 
 
 def test_eval_refuses_a_checkpoint_made_under_another_config(cfg_factory):

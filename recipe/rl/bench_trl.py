@@ -239,7 +239,7 @@ def bench(cfg, argv: list[str]) -> None:
            "held_out_two_se": two_se, "envs": list(bench_config(cfg).rl.env_mix),
            "steps": cfg.rl.bench_steps, "batch_size": cfg.rl.batch_size,
            "rollouts_per_example": cfg.rl.rollouts_per_example, "max_new_tokens": cfg.rl.max_new_tokens}
-    write_bench(cfg, "bench-trl", "trl", out, began, argv)
+    write_bench(cfg, "bench-trl", "trl", out, began)
 
 
 def main(argv=None):
