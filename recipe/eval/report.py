@@ -79,12 +79,11 @@ def tiny_table(cfg, results: dict[str, dict]) -> str:
     return head + sep + "".join(lines)
 
 
-def write_bench(cfg, target: str, name: str, figures: dict, began: Began, argv: list[str] | None = None) -> Path:
+def write_bench(cfg, target: str, name: str, figures: dict, began: Began) -> Path:
     """A bench's figures as runs/<preset>/bench/<name>.json, with the command that reproduces them (`make
-    <target>` with the run's overrides, `argv`: those of the running entry point by default, less the preset and
-    run root) and the run's provenance; then RESULTS.md rewritten from runs/. Returns the report's path."""
-    argv = stage_argv() if argv is None else argv
-    overrides = " ".join(a for a in argv if not a.startswith(("preset=", "run_root=")))
+    <target>` with the overrides its entry point was called with, less the preset and run root) and the run's
+    provenance; then RESULTS.md rewritten from runs/. Returns the report's path."""
+    overrides = " ".join(a for a in stage_argv() if not a.startswith(("preset=", "run_root=")))
     out = {**figures, "command": f"make {target} PRESET={cfg.preset}" + (f' ARGS="{overrides}"' if overrides else ""),
            "provenance": provenance(cfg, target, "", began, inputs={}, outputs={})}
     write_atomic(stage_dir(cfg, "bench") / f"{name}.json", json.dumps(out, indent=2, sort_keys=True))
