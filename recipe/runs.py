@@ -491,6 +491,20 @@ def full_disk(e: BaseException, where: Path) -> bool:
     return free * st.f_frsize < LOW_SPACE_BYTES
 
 
+def say(line: str) -> None:
+    """Write `line` to stderr as one write(2): the ranks of a distributed stage share one stderr, and print's
+    separate writes of the text and its newline let another rank's line land between them."""
+    sys.stderr.flush()  # what this process printed before goes first
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):  # stderr replaced by an object in memory (a test's capture)
+        sys.stderr.write(line + "\n")
+        return
+    data = (line + "\n").encode(errors="replace")
+    while data:
+        data = data[os.write(fd, data):]
+
+
 _STAGE_ARGV: ContextVar[list[str] | None] = ContextVar("stage_argv", default=None)
 
 
@@ -525,8 +539,8 @@ def stage_main(fn):
         def out_of_space(e: BaseException, where) -> None:
             full = isinstance(e, OSError) and e.errno in FULL_DISK
             reason = os.strerror(e.errno if full else errno.ENOSPC)  # (a library's strerror is its own prose)
-            print(f"error: cannot write {where}: {reason} (free space there, or pass run_root=<dir> on another "
-                  f"disk; the stage is not marked done, and a rerun resumes or redoes it)", file=sys.stderr)
+            say(f"error: cannot write {where}: {reason} (free space there, or pass run_root=<dir> on another "
+                f"disk; the stage is not marked done, and a rerun resumes or redoes it)")
             sys.exit(2)
 
         try:
@@ -535,11 +549,11 @@ def stage_main(fn):
         except (RecipeError, FileNotFoundError) as e:
             if os.environ.get("RECIPE_DEBUG"):
                 raise
-            print(f"error: {e}", file=sys.stderr)
+            say(f"error: {e}")
             sys.exit(2)
         except Stopped as e:
             detail = e.detail or "it is not marked done: the next run resumes it from its last checkpoint, or redoes it"
-            print(f"{name}: stopped by {signal.Signals(e.signum).name}; {detail}", file=sys.stderr)
+            say(f"{name}: stopped by {signal.Signals(e.signum).name}; {detail}")
             sys.exit(128 + e.signum)
         except OSError as e:  # the file system refused a path: read-only, full, a file where a folder goes
             if os.environ.get("RECIPE_DEBUG"):
@@ -548,8 +562,8 @@ def stage_main(fn):
                 out_of_space(e, e.filename or folder())
             if e.filename is None and e.errno != errno.EROFS:
                 raise
-            print(f"error: cannot write or read {e.filename or folder()}: {e.strerror} (check run_root and its "
-                  f"permissions)", file=sys.stderr)
+            say(f"error: cannot write or read {e.filename or folder()}: {e.strerror} (check run_root and its "
+                f"permissions)")
             sys.exit(2)
         except Exception as e:  # a library's own error for a full disk (safetensors, torch.save)
             if os.environ.get("RECIPE_DEBUG") or not full_disk(e, folder()):

@@ -16,7 +16,7 @@ import pytest
 from fakes import TokenEngine, save_tiny_qa_model
 from recipe.config import load_config
 from recipe.data.schema import message, write_rows
-from recipe.runs import Stage, StageError, require_done, stage_argv, stage_dir, stage_main, write_atomic
+from recipe.runs import Stage, StageError, Stopped, require_done, stage_argv, stage_dir, stage_main, write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,6 +79,27 @@ def test_a_stage_knows_the_arguments_it_was_called_with_and_forgets_them_after(t
         fake([f"run_root={tmp_path}", "rl.max_steps=1"])
     assert seen == [[f"run_root={tmp_path}", "rl.max_steps=3"], [f"run_root={tmp_path}", "rl.max_steps=1"]]
     assert stage_argv() == ["from=the-command-line"]  # outside a stage (and after a failed one): the command line
+
+
+def test_a_stages_last_line_is_one_write_so_that_ranks_sharing_stderr_do_not_interleave(tmp_path, monkeypatch):
+    """Each rank of `launcher.num_processes=2` says why it stopped on the stderr they share: one write(2) a line,
+    newline included, else another rank's line can land between a line and its newline (seen in CI)."""
+    writes, real_write = [], os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: writes.append((fd, bytes(data))) or real_write(fd, data))
+    err = open(tmp_path / "stderr", "w")
+    monkeypatch.setattr(sys, "stderr", err)
+    err.write("a progress bar without its newline")  # buffered: it goes out before the line, not inside it
+
+    @stage_main
+    def stopped(cfg):
+        raise Stopped(signal.SIGTERM, "rank 1 stopped with rank 0 after step 3")
+
+    with pytest.raises(SystemExit) as e:
+        stopped([f"run_root={tmp_path}"])
+    assert e.value.code == 143
+    ours = [data for fd, data in writes if fd == err.fileno()]
+    assert ours[-1] == b"test_stage_guard: stopped by SIGTERM; rank 1 stopped with rank 0 after step 3\n"
+    assert (tmp_path / "stderr").read_text().endswith("newline" + ours[-1].decode())
 
 
 def test_eval_refuses_a_checkpoint_made_under_another_config(cfg_factory):
