@@ -249,6 +249,9 @@ class TrainConfig:
     bf16: bool = False
     gradient_checkpointing: bool = False
     threads: int = 2
+    # one process on CPU: fewer threads while other processes keep cores busy, `threads` at most (recipe.cores;
+    # with one of 2 cores taken, 2 threads trained x3 slower than 1)
+    adapt_threads: bool = True
     seed: int = 0
 
 
@@ -1010,6 +1013,9 @@ def config_hash(cfg, keys: List[str] | None = None) -> str:
     for key in ("base", "sft"):
         if isinstance(data.get(key), dict):
             data[key].pop("bench_steps", None)  # read by `make bench-sft` alone
+            # how many of its `threads` a run uses as the load changes: how fast it trains, not what (the same
+            # steps; a step's gradients differ at float rounding between thread counts), so runs keep their hash
+            data[key].pop("adapt_threads", None)
             if data[key].get("rows_per_sequence") == 1:
                 data[key].pop("rows_per_sequence")  # one row a sequence, as before the field: the hash stays
     if keys is not None:

@@ -27,6 +27,7 @@ from trl import SFTConfig, SFTTrainer
 from trl.data_utils import common_prefix_length
 
 from recipe.chat import ENV_REPLY, messages, template_tools
+from recipe.cores import ThreadGovernor
 from recipe.errors import ConfigError, DataError, StageError
 from recipe.rl.dist import World
 from recipe.runs import STOP, MetricsLog, safetensors_problem, torch_save_problem
@@ -48,7 +49,23 @@ class MetricsCallback(TrainerCallback):
             # seconds since this process began training (a resumed run starts again from 0): step times
             elapsed = {"elapsed_s": time.perf_counter() - self.started} if self.started is not None else {}
             self.metrics.log({"step": state.global_step, **elapsed, **{k: v for k, v in logs.items()
-                                                                        if isinstance(v, (int, float))}})
+                                                                        if isinstance(v, (int, float))},
+                              "threads": torch.get_num_threads()})
+
+
+class ThreadsCallback(TrainerCallback):
+    """torch's threads follow the cores other processes leave free (recipe.cores.ThreadGovernor), checked at the
+    end of a step; each change is one line on stdout, and metrics.jsonl records the threads of every logged step."""
+
+    def __init__(self, governor: ThreadGovernor, key: str):
+        self.governor, self.key = governor, key
+
+    def on_step_end(self, args, state, control, **kwargs):
+        threads = self.governor.step()
+        if threads is not None:
+            print(f"{self.key}: step {state.global_step}: {threads} torch thread{'s' if threads > 1 else ''}, other "
+                  f"processes keeping {self.governor.others_busy:.1f} of {len(self.governor.cores)} cores busy",
+                  flush=True)
 
 
 def checkpoint_problem(ckpt: Path) -> str | None:
@@ -328,6 +345,8 @@ def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_
     last = world.broadcast(last_complete_checkpoint(ckpt_dir) if world.main else None)
     resume_step = json.loads((Path(last) / "trainer_state.json").read_text())["global_step"] if last else None
     callbacks = [StopCallback(world), *(callbacks or [])]
+    if train_cfg.adapt_threads and use_cpu and not world.distributed:  # ranks share out the cores by design
+        callbacks.append(ThreadsCallback(ThreadGovernor(train_cfg.threads), key))
     if world.main:
         callbacks.append(MetricsCallback(MetricsLog(stage_dir / "metrics.jsonl", resume_step=resume_step)))
         if last:

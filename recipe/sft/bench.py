@@ -57,7 +57,8 @@ class StepParts(TrainerCallback):
 def bench_run(cfg, rows_per_sequence: int, dataset, base: str, out_dir) -> dict:
     """One SFT run of sft.bench_steps steps from the base model; no checkpoint before the end."""
     train_cfg = OmegaConf.merge(cfg.sft, {"max_steps": cfg.sft.bench_steps, "rows_per_sequence": rows_per_sequence,
-                                          "save_steps": cfg.sft.bench_steps + 1, "logging_steps": 1})
+                                          "save_steps": cfg.sft.bench_steps + 1, "logging_steps": 1,
+                                          "adapt_threads": False})  # both arms at sft.threads, whatever the load
     shutil.rmtree(out_dir, ignore_errors=True)
     model, tokenizer = load_pretrained(base, cfg.model.revision, cfg.model.dtype, cfg.model.attn_implementation)
     load = load_avg()

@@ -1,0 +1,176 @@
+"""recipe.cores: torch's threads follow the cores other processes leave free, in a training stage too."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from datasets import Dataset
+
+from recipe import cores
+from recipe.config import TinyArch, TrainConfig
+from recipe.cores import ThreadGovernor, busy_seconds, threads_for
+from recipe.model import build_tiny_model, build_tokenizer
+
+HZ = os.sysconf("SC_CLK_TCK")
+# user nice system idle iowait irq softirq steal guest guest_nice
+STAT = f"""cpu  400 0 200 900 100 0 0 0 0 0
+cpu0 {HZ} 0 {HZ} 700 50 {HZ} 0 0 0 0
+cpu1 100 {2 * HZ} 0 200 50 0 0 {HZ} 7 0
+intr 12345
+"""
+
+
+def test_busy_seconds_count_every_state_but_idle_and_iowait_of_the_cores_asked_for():
+    assert busy_seconds([0], STAT) == pytest.approx(3.0)
+    assert busy_seconds([1], STAT) == pytest.approx(100 / HZ + 3.0)  # guest time is inside user already
+    assert busy_seconds([0, 1], STAT) == pytest.approx(6.0 + 100 / HZ)
+    assert busy_seconds([0, 2], STAT) is None  # a core /proc/stat does not list
+
+
+@pytest.mark.parametrize("others, cpus, most, expected", [
+    (0.0, 2, 2, 2), (0.2, 2, 2, 2), (0.3, 2, 2, 1), (1.0, 2, 2, 1), (5.0, 2, 2, 1), (0.0, 2, 1, 1),
+    (0.0, 8, 4, 4), (3.0, 8, 8, 5), (8.0, 8, 8, 1),
+])
+def test_threads_for_leave_the_cores_others_keep_busy_and_stay_within_one_and_the_configured(others, cpus, most,
+                                                                                              expected):
+    assert threads_for(others, cpus, most) == expected
+
+
+class FakeMachine:
+    """A clock, the cores' busy seconds and this process's CPU seconds, moved by the test."""
+
+    def __init__(self):
+        self.now, self.busy, self.own = 100.0, 1000.0, 10.0
+        self.readable = True
+
+    def run(self, seconds, own_cores, other_cores):
+        self.now += seconds
+        self.own += seconds * own_cores
+        self.busy += seconds * (own_cores + other_cores)
+
+    def governor(self, most=2, interval_s=5.0):
+        self.set_to = []
+        return ThreadGovernor(most, interval_s, cores=[0, 1], read_busy=lambda c: self.busy if self.readable else None,
+                              own_cpu=lambda: self.own, clock=lambda: self.now, set_threads=self.set_to.append)
+
+
+def test_the_governor_drops_to_one_thread_while_another_process_holds_a_core_and_comes_back_after():
+    m = FakeMachine()
+    g = m.governor()
+    m.run(4.9, own_cores=1.1, other_cores=0.9)
+    assert g.step() is None and m.set_to == []  # not yet interval_s since the last sample
+    m.run(0.2, own_cores=1.1, other_cores=0.9)
+    assert g.step() == 1 and m.set_to == [1]
+    assert g.others_busy == pytest.approx(0.9)
+    m.run(5, own_cores=1.0, other_cores=1.0)
+    assert g.step() is None and m.set_to == [1]  # still busy: no change, no call
+    m.run(5, own_cores=1.0, other_cores=0.0)
+    assert g.step() == 2 and m.set_to == [1, 2]
+    assert g.changes == [(1, 0.9), (2, 0.0)]
+
+
+def test_this_process_own_threads_are_not_taken_for_others():
+    m = FakeMachine()
+    g = m.governor()
+    m.run(6, own_cores=2.0, other_cores=0.0)  # both cores busy, all of it this process
+    assert g.step() is None and g.others_busy == pytest.approx(0.0) and m.set_to == []
+
+
+def test_without_proc_stat_the_threads_stay_as_they_are():
+    m = FakeMachine()
+    m.readable = False
+    g = m.governor()
+    m.run(10, own_cores=1.0, other_cores=1.0)
+    assert g.step() is None and m.set_to == []
+    m = FakeMachine()
+    g = m.governor()
+    m.readable = False  # gone after the first sample: the governor stops there, even if it comes back
+    m.run(10, own_cores=1.0, other_cores=1.0)
+    assert g.step() is None
+    m.readable = True
+    m.run(10, own_cores=1.0, other_cores=1.0)
+    assert g.step() is None and m.set_to == []
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2
+                    or busy_seconds([0]) is None, reason="needs 2 cores and /proc/stat")
+def test_a_real_busy_process_on_one_of_two_cores_takes_a_thread_away():
+    two = sorted(os.sched_getaffinity(0))[:2]
+    hog = subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{two[1]}}})\nwhile True: pass"])
+    try:
+        time.sleep(0.5)  # the hog is running
+        set_to = []
+        g = ThreadGovernor(2, interval_s=1.0, cores=two, set_threads=set_to.append)
+        time.sleep(1.2)  # this process idle meanwhile
+        assert g.step() == 1 and set_to == [1]
+        assert 0.75 <= g.others_busy <= 2.05
+    finally:
+        hog.kill()
+        hog.wait()
+
+
+ARCH = TinyArch(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, n_routed_experts=4,
+                num_experts_per_tok=2, max_position_embeddings=64)
+TEXTS = [f"the sum of {i} and {i * 7 % 13} is {i + i * 7 % 13}." for i in range(32)]
+
+
+@pytest.mark.parametrize("adapt", [True, False])
+def test_sft_follows_the_governor_and_records_its_threads(tmp_path, monkeypatch, capsys, adapt):
+    """A stage's governor (here told that another process holds one of two cores) takes it to 1 thread after the
+    first step: a line says so and metrics.jsonl records the threads; sft.adapt_threads=false keeps 2."""
+    import torch
+
+    import recipe.sft as sft
+    made = []
+
+    def busy_machine(most):
+        m = FakeMachine()
+        g = ThreadGovernor(most, interval_s=0.0, cores=[0, 1], read_busy=lambda c: m.busy, own_cpu=lambda: m.own,
+                           clock=lambda: m.now)  # the real torch.set_num_threads
+        real_step = g.step
+
+        def step():
+            m.run(1.0, own_cores=1.0, other_cores=1.0)
+            return real_step()
+        g.step = step
+        made.append(g)
+        return g
+
+    monkeypatch.setattr(sft, "ThreadGovernor", busy_machine)
+    before = torch.get_num_threads()
+    try:
+        tok = build_tokenizer(TEXTS, 300)
+        cfg = TrainConfig(max_steps=3, batch_size=4, lr=1e-3, warmup_ratio=0.0, scheduler="constant", max_length=64,
+                          save_steps=100, logging_steps=1, threads=2, adapt_threads=adapt)
+        sft.train_supervised(build_tiny_model(ARCH, tok), tok, Dataset.from_dict({"text": TEXTS}), cfg,
+                             tmp_path / "sft", use_cpu=True)
+        rows = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    finally:
+        torch.set_num_threads(before)
+    steps = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    out = capsys.readouterr().out
+    if adapt:
+        assert len(made) == 1 and made[0].changes == [(1, 1.0)]
+        assert "sft: step 1: 1 torch thread, other processes keeping 1.0 of 2 cores busy" in out
+        assert [r["threads"] for r in steps] == [1, 1, 1]
+    else:
+        assert made == [] and "torch thread" not in out
+        assert [r["threads"] for r in steps] == [2, 2, 2]
+
+
+def test_the_governor_reads_this_process_cores_by_default():
+    g = ThreadGovernor(2)
+    assert g.cores == cores.own_cores() and g.threads == 2
+
+
+def test_adapt_threads_leaves_a_stage_config_hash_as_it_was():
+    """How fast a run trains is not what it trains: runs made before the key, or with it off, keep their hash."""
+    from recipe.config import config_hash, load_config
+    on, off = load_config([]), load_config(["sft.adapt_threads=false", "base.adapt_threads=false"])
+    assert on.sft.adapt_threads and not off.sft.adapt_threads
+    assert config_hash(on) == config_hash(off)
+    assert config_hash(on) != config_hash(load_config(["sft.threads=1"]))
