@@ -404,6 +404,7 @@ class EvalConfig:
     batch_size: int = 128
     max_problems_per_task: Optional[int] = None
     threads: int = 2
+    adapt_threads: bool = True  # the hf engine in this process: fewer threads while others keep cores busy (sft's)
     seed: int = 1234
     held_out: bool = True  # the held-out suite of `make data` (false: benchmarks only)
     # the paper's benchmarks (recipe/eval/benchmarks.py), each with its own k and sampling settings
@@ -1010,6 +1011,8 @@ def config_hash(cfg, keys: List[str] | None = None) -> str:
     if isinstance(data.get("model"), dict):
         data["model"].pop("arch", None)  # read by the launcher's plan alone: no stage's output depends on it
     drop_unset_top_k(data.get("eval"))
+    if isinstance(data.get("eval"), dict):
+        data["eval"].pop("adapt_threads", None)  # how fast, not what (as base.adapt_threads below)
     for key in ("base", "sft"):
         if isinstance(data.get(key), dict):
             data[key].pop("bench_steps", None)  # read by `make bench-sft` alone

@@ -1,4 +1,4 @@
-"""recipe.cores: torch's threads follow the cores other processes leave free, in a training stage too."""
+"""recipe.cores: torch's threads follow the cores other processes leave free, in base, SFT and eval on CPU."""
 import json
 import os
 import subprocess
@@ -127,17 +127,8 @@ def test_sft_follows_the_governor_and_records_its_threads(tmp_path, monkeypatch,
     made = []
 
     def busy_machine(most):
-        m = FakeMachine()
-        g = ThreadGovernor(most, interval_s=0.0, cores=[0, 1], read_busy=lambda c: m.busy, own_cpu=lambda: m.own,
-                           clock=lambda: m.now)  # the real torch.set_num_threads
-        real_step = g.step
-
-        def step():
-            m.run(1.0, own_cores=1.0, other_cores=1.0)
-            return real_step()
-        g.step = step
-        made.append(g)
-        return g
+        made.append(busy_governor(most))
+        return made[-1]
 
     monkeypatch.setattr(sft, "ThreadGovernor", busy_machine)
     before = torch.get_num_threads()
@@ -170,7 +161,54 @@ def test_the_governor_reads_this_process_cores_by_default():
 def test_adapt_threads_leaves_a_stage_config_hash_as_it_was():
     """How fast a run trains is not what it trains: runs made before the key, or with it off, keep their hash."""
     from recipe.config import config_hash, load_config
-    on, off = load_config([]), load_config(["sft.adapt_threads=false", "base.adapt_threads=false"])
-    assert on.sft.adapt_threads and not off.sft.adapt_threads
+    from recipe.eval.__main__ import held_out_hash
+    on = load_config([])
+    off = load_config(["sft.adapt_threads=false", "base.adapt_threads=false", "eval.adapt_threads=false"])
+    assert on.sft.adapt_threads and not off.sft.adapt_threads and not off.eval.adapt_threads
     assert config_hash(on) == config_hash(off)
+    assert config_hash(on, ["eval"]) == config_hash(off, ["eval"]) and held_out_hash(on) == held_out_hash(off)
+    assert held_out_hash(on) != held_out_hash(load_config(["eval.threads=1"]))
     assert config_hash(on) != config_hash(load_config(["sft.threads=1"]))
+
+
+def busy_governor(most: int) -> ThreadGovernor:
+    """A governor on a machine where another process holds one of two cores: 1 thread from its first step."""
+    m = FakeMachine()
+    g = ThreadGovernor(most, interval_s=0.0, cores=[0, 1], read_busy=lambda c: m.busy, own_cpu=lambda: m.own,
+                       clock=lambda: m.now)
+    real_step = g.step
+
+    def step():
+        m.run(1.0, own_cores=1.0, other_cores=1.0)
+        return real_step()
+    g.step = step
+    return g
+
+
+def test_eval_sets_the_engines_threads_before_each_chunk_and_samples_the_same(tmp_path, capsys):
+    import torch
+
+    from recipe.config import EvalConfig
+    from recipe.eval.runner import evaluate
+    from tests.fakes import CharTokenizer
+    from tests.test_eval_runner import ScriptedEvalEngine, rows
+
+    class ThreadsSeen(ScriptedEvalEngine):
+        def generate(self, prompts, params):
+            self.threads = [*getattr(self, "threads", []), torch.get_num_threads()]
+            return super().generate(prompts, params)
+
+    correct = {0: 4, 1: 0, 2: 1, 3: 2}
+    cfg = EvalConfig(samples=4, pass_k=[1, 4], batch_size=8)  # 2 problems a chunk: 2 chunks
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        governed, plain = ThreadsSeen(correct, 4), ThreadsSeen(correct, 4)
+        res = evaluate(governed, CharTokenizer(), rows(4), cfg, tmp_path / "a", governor=busy_governor(2))
+        torch.set_num_threads(2)
+        ref = evaluate(plain, CharTokenizer(), rows(4), cfg, tmp_path / "b")
+    finally:
+        torch.set_num_threads(before)
+    assert governed.threads == [1, 1] and plain.threads == [2, 2]
+    assert "eval: 1 torch thread, other processes keeping 1.0 of 2 cores busy" in capsys.readouterr().out
+    assert res["env"] == ref["env"]

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 
 from recipe.chat import encode_prompt
 from recipe.config import EngineKind, config_hash, drop_unset_top_k
+from recipe.cores import ThreadGovernor
 from recipe.data.schema import read_split
 from recipe.eval import models as eval_models
 from recipe.eval import sampling
@@ -43,6 +44,9 @@ from recipe.tracking import Tracker, open_tracker
 # eval keys that only concern the benchmarks: left out of the held-out suite's key, so that adding a benchmark
 # does not redo the held-out eval (and the key stays what it was before these keys existed)
 BENCHMARK_KEYS = ("held_out", "benchmarks", "benchmark_max_problems", "hub_timeout_s")
+# how fast the hf engine runs, not what it samples: out of the held-out key (the same seeds, the same samples up to
+# float rounding between thread counts)
+SPEED_KEYS = ("adapt_threads",)
 # eval keys that say which models to evaluate, not how: out of the held-out key too (eval.checkpoints is hashed as
 # its old default, which the keys made before it took other models were made with)
 MODEL_KEYS = ("checkpoints", "released")
@@ -68,7 +72,7 @@ def _sha(data) -> str:
 def held_out_hash(cfg) -> str:
     ev = OmegaConf.to_container(cfg.eval, resolve=True)
     drop_unset_top_k(ev)
-    ev = {k: v for k, v in ev.items() if k not in BENCHMARK_KEYS + MODEL_KEYS}
+    ev = {k: v for k, v in ev.items() if k not in BENCHMARK_KEYS + MODEL_KEYS + SPEED_KEYS}
     return _sha({"eval": {**ev, "checkpoints": CHECKPOINTS_AS_HASHED}})
 
 
@@ -159,6 +163,8 @@ def run_eval(cfg, stage: Stage, tracker: Tracker) -> None:
     rows = held_out_rows(cfg) if cfg.eval.held_out else []
     bench_rows: dict[str, list[dict]] = {}
     held_keys: dict[str, tuple[Path, str]] = {}  # stage with a model folder of this run -> (folder, held-out key)
+    # one for every model: the load it measured carries over from one model to the next
+    governor = ThreadGovernor(cfg.eval.threads) if cfg.eval.adapt_threads else None
     # every model is checked before any work: this config's stages, folders, hub models located (seconds offline)
     models = {entry: eval_models.model_for(cfg, entry) for entry in cfg.eval.checkpoints}
     for entry, model in models.items():
@@ -209,7 +215,8 @@ def run_eval(cfg, stage: Stage, tracker: Tracker) -> None:
                 began = Began.now()
                 if spec is None:
                     ecfg, chosen = held_out_config(cfg, held, engine, rows)
-                    res = evaluate(engine, engine.tokenizer, rows, ecfg, out, desc=f"eval {name}")
+                    res = evaluate(engine, engine.tokenizer, rows, ecfg, out, desc=f"eval {name}",
+                                   governor=governor if isinstance(engine, HFEngine) else None)
                     res["sampling"] = chosen
                     res_path, inputs = out / "results.json", {"model": model_input,
                                                               "eval_data": data_dir / "eval.parquet"}

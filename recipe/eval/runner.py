@@ -18,6 +18,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from recipe.chat import completion_text, encode_prompt, parse_final_answer
+from recipe.cores import ThreadGovernor
 from recipe.envs import get_env
 from recipe.errors import DataError, StageError
 from recipe.eval.metrics import breakdown
@@ -117,8 +118,9 @@ def tool_turns(engine, tokenizer, chunk, k, prompts, completions, params, contex
 
 
 def evaluate(engine: Generator, tokenizer, rows: list[dict], eval_cfg, out_dir: Path, desc: str = "eval",
-             context: int | None = None) -> dict:
+             context: int | None = None, governor: ThreadGovernor | None = None) -> dict:
     """`context`: the model's max_position_embeddings (default: read from the engine's model, if it has one).
+    `governor`: an in-process engine's torch threads set by the load before each chunk (recipe.cores).
     eval_cfg's sampling settings are the resolved ones (recipe.eval.sampling): temperature, top_p and
     max_new_tokens set; top_k None means none."""
     missing = [k for k in ("temperature", "top_p", "max_new_tokens") if getattr(eval_cfg, k) is None]
@@ -152,6 +154,9 @@ def evaluate(engine: Generator, tokenizer, rows: list[dict], eval_cfg, out_dir: 
     bar = tqdm(total=len(rows), initial=len(rows) - len(todo), desc=desc, unit="problem")
     for start in range(0, len(todo), per_chunk):
         chunk = todo[start:start + per_chunk]
+        if governor is not None and governor.step() is not None:
+            bar.write(f"{desc}: {governor.threads} torch thread{'s' if governor.threads > 1 else ''}, other "
+                      f"processes keeping {governor.others_busy:.1f} of {len(governor.cores)} cores busy")
         prompts = [encode_prompt(tokenizer, r["prompt"]) for r in chunk for _ in range(k)]
         params = SamplingParams(max_new_tokens=eval_cfg.max_new_tokens, temperature=eval_cfg.temperature,
                                 top_p=eval_cfg.top_p, top_k=-1 if eval_cfg.top_k is None else eval_cfg.top_k,
