@@ -5,8 +5,8 @@ another process keeps one of two cores busy, the thread that shares its core run
 every small operation waits on it: a tiny-model training step with 2 threads took 1.53 s against 0.29 s on an
 idle machine, while 1 thread took 0.47 s either way (docs/performance.md, "Sharing the machine"). ThreadGovernor
 measures, every `interval_s`, how many of the process's cores the other processes keep busy (the machine's busy
-time from /proc/stat less this process's own CPU time) and sets torch's thread count to the cores left, never
-more than the configured number. Where /proc/stat cannot be read (not Linux) it leaves the threads as they are.
+time from /proc/stat less the CPU time of this process and its children) and sets torch's thread count to the
+cores left, never more than the configured number. Where /proc/stat cannot be read (not Linux) it leaves the threads as they are.
 Used by the processes that run torch on several threads of their own: base and SFT on CPU (between steps) and
 the eval stage's in-process hf engine (between chunks of problems); not by the RL stage, whose trainer and engine
 run one thread each, pinned to a core each.
@@ -53,11 +53,18 @@ def busy_seconds(cores: list[int], stat_text: str | None = None) -> float | None
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def own_cpu_s() -> float:
+    """CPU seconds of this process (every thread) and of its children that have ended (the eval stage's sandboxed
+    programs): neither is another process's load."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
 @dataclass
 class Sample:
     wall_s: float   # time.monotonic()
     busy_s: float   # busy_seconds of the cores
-    own_s: float    # this process's CPU time (every thread)
+    own_s: float    # own_cpu_s()
 
 
 def threads_for(others_busy: float, cores: int, most: int) -> int:
@@ -71,7 +78,7 @@ class ThreadGovernor:
     last sample. `changes` keeps (threads, others' busy cores) of every change, for the run's log."""
 
     def __init__(self, most: int, interval_s: float = 5.0, cores: list[int] | None = None, read_busy=busy_seconds,
-                 own_cpu=time.process_time, clock=time.monotonic, set_threads=torch.set_num_threads):
+                 own_cpu=own_cpu_s, clock=time.monotonic, set_threads=torch.set_num_threads):
         self.most, self.interval_s = most, interval_s
         self.cores = cores if cores is not None else own_cores()
         self.read_busy, self.own_cpu, self.clock, self.set_threads = read_busy, own_cpu, clock, set_threads

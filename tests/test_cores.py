@@ -111,6 +111,16 @@ def test_a_real_busy_process_on_one_of_two_cores_takes_a_thread_away():
         hog.wait()
 
 
+def test_a_child_process_that_ended_is_this_process_own_work_not_another_load():
+    """The eval stage's sandboxed programs are its children: their CPU counts as its own (own_cpu_s), not as a
+    reason to drop threads."""
+    before = cores.own_cpu_s()
+    subprocess.run([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                    "while time.process_time() - t < 0.5: pass"], check=True)
+    assert cores.own_cpu_s() - before >= 0.5
+    assert ThreadGovernor(2).own_cpu is cores.own_cpu_s
+
+
 ARCH = TinyArch(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, n_routed_experts=4,
                 num_experts_per_tok=2, max_position_embeddings=64)
