@@ -75,7 +75,7 @@ def threads_for(others_busy: float, cores: int, most: int) -> int:
 
 class ThreadGovernor:
     """Call step() often (every training step); every interval_s it sets torch's threads from the load since the
-    last sample. `changes` keeps (threads, others' busy cores) of every change, for the run's log."""
+    last sample. `changes`: (threads, others' busy cores) of every change so far."""
 
     def __init__(self, most: int, interval_s: float = 5.0, cores: list[int] | None = None, read_busy=busy_seconds,
                  own_cpu=own_cpu_s, clock=time.monotonic, set_threads=torch.set_num_threads):
@@ -90,6 +90,11 @@ class ThreadGovernor:
     def _sample(self) -> Sample | None:
         busy = self.read_busy(self.cores)
         return None if busy is None else Sample(self.clock(), busy, self.own_cpu())
+
+    def describe(self) -> str:
+        """The stage's line for a change: the threads and why."""
+        return (f"{self.threads} torch thread{'s' if self.threads > 1 else ''}, other processes keeping "
+                f"{self.others_busy:.1f} of {len(self.cores)} cores busy")
 
     def step(self) -> int | None:
         """The new thread count when it changed, else None."""

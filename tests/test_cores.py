@@ -6,12 +6,19 @@ import sys
 import time
 
 import pytest
+import torch
 from datasets import Dataset
 
+import recipe.sft as sft
 from recipe import cores
-from recipe.config import TinyArch, TrainConfig
+from recipe.config import EvalConfig, TrainConfig, config_hash, load_config
 from recipe.cores import ThreadGovernor, busy_seconds, threads_for
+from recipe.eval.__main__ import held_out_hash
+from recipe.eval.runner import evaluate
 from recipe.model import build_tiny_model, build_tokenizer
+from tests.fakes import CharTokenizer
+from tests.test_eval_runner import ScriptedEvalEngine, rows
+from tests.test_sft_resume import ARCH, TEXTS  # the tiny model and texts of the SFT resume tests
 
 HZ = os.sysconf("SC_CLK_TCK")
 # user nice system idle iowait irq softirq steal guest guest_nice
@@ -121,19 +128,10 @@ def test_a_child_process_that_ended_is_this_process_own_work_not_another_load():
     assert ThreadGovernor(2).own_cpu is cores.own_cpu_s
 
 
-ARCH = TinyArch(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=16, moe_intermediate_size=16, n_routed_experts=4,
-                num_experts_per_tok=2, max_position_embeddings=64)
-TEXTS = [f"the sum of {i} and {i * 7 % 13} is {i + i * 7 % 13}." for i in range(32)]
-
-
 @pytest.mark.parametrize("adapt", [True, False])
 def test_sft_follows_the_governor_and_records_its_threads(tmp_path, monkeypatch, capsys, adapt):
     """A stage's governor (here told that another process holds one of two cores) takes it to 1 thread after the
     first step: a line says so and metrics.jsonl records the threads; sft.adapt_threads=false keeps 2."""
-    import torch
-
-    import recipe.sft as sft
     made = []
 
     def busy_machine(most):
@@ -170,8 +168,6 @@ def test_the_governor_reads_this_process_cores_by_default():
 
 def test_adapt_threads_leaves_a_stage_config_hash_as_it_was():
     """How fast a run trains is not what it trains: runs made before the key, or with it off, keep their hash."""
-    from recipe.config import config_hash, load_config
-    from recipe.eval.__main__ import held_out_hash
     on = load_config([])
     off = load_config(["sft.adapt_threads=false", "base.adapt_threads=false", "eval.adapt_threads=false"])
     assert on.sft.adapt_threads and not off.sft.adapt_threads and not off.eval.adapt_threads
@@ -196,13 +192,6 @@ def busy_governor(most: int) -> ThreadGovernor:
 
 
 def test_eval_sets_the_engines_threads_before_each_chunk_and_samples_the_same(tmp_path, capsys):
-    import torch
-
-    from recipe.config import EvalConfig
-    from recipe.eval.runner import evaluate
-    from tests.fakes import CharTokenizer
-    from tests.test_eval_runner import ScriptedEvalEngine, rows
-
     class ThreadsSeen(ScriptedEvalEngine):
         def generate(self, prompts, params):
             self.threads = [*getattr(self, "threads", []), torch.get_num_threads()]

@@ -155,8 +155,7 @@ def evaluate(engine: Generator, tokenizer, rows: list[dict], eval_cfg, out_dir: 
     for start in range(0, len(todo), per_chunk):
         chunk = todo[start:start + per_chunk]
         if governor is not None and governor.step() is not None:
-            bar.write(f"{desc}: {governor.threads} torch thread{'s' if governor.threads > 1 else ''}, other "
-                      f"processes keeping {governor.others_busy:.1f} of {len(governor.cores)} cores busy")
+            bar.write(f"{desc}: {governor.describe()}")
         prompts = [encode_prompt(tokenizer, r["prompt"]) for r in chunk for _ in range(k)]
         params = SamplingParams(max_new_tokens=eval_cfg.max_new_tokens, temperature=eval_cfg.temperature,
                                 top_p=eval_cfg.top_p, top_k=-1 if eval_cfg.top_k is None else eval_cfg.top_k,

@@ -63,9 +63,7 @@ class ThreadsCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         threads = self.governor.step()
         if threads is not None:
-            print(f"{self.key}: step {state.global_step}: {threads} torch thread{'s' if threads > 1 else ''}, other "
-                  f"processes keeping {self.governor.others_busy:.1f} of {len(self.governor.cores)} cores busy",
-                  flush=True)
+            print(f"{self.key}: step {state.global_step}: {self.governor.describe()}", flush=True)
 
 
 def checkpoint_problem(ckpt: Path) -> str | None:
