@@ -998,6 +998,11 @@ def drop_unset_top_k(ev) -> None:
             b.pop("top_k")
 
 
+# keys that decide how fast a stage runs, not what it computes (recipe.cores: the same steps and samples, up to
+# float rounding between thread counts): out of every hash of base, sft and eval, and of the held-out eval's key
+SPEED_KEYS = ("adapt_threads",)
+
+
 def config_hash(cfg, keys: List[str] | None = None) -> str:
     """sha256 of the resolved config (or of some of its sections), stable across runs."""
     data = OmegaConf.to_container(cfg, resolve=True)
@@ -1011,14 +1016,12 @@ def config_hash(cfg, keys: List[str] | None = None) -> str:
     if isinstance(data.get("model"), dict):
         data["model"].pop("arch", None)  # read by the launcher's plan alone: no stage's output depends on it
     drop_unset_top_k(data.get("eval"))
-    if isinstance(data.get("eval"), dict):
-        data["eval"].pop("adapt_threads", None)  # how fast, not what (as base.adapt_threads below)
+    for key in ("base", "sft", "eval"):
+        for speed in SPEED_KEYS if isinstance(data.get(key), dict) else ():
+            data[key].pop(speed, None)
     for key in ("base", "sft"):
         if isinstance(data.get(key), dict):
             data[key].pop("bench_steps", None)  # read by `make bench-sft` alone
-            # how many of its `threads` a run uses as the load changes: how fast it trains, not what (the same
-            # steps; a step's gradients differ at float rounding between thread counts), so runs keep their hash
-            data[key].pop("adapt_threads", None)
             if data[key].get("rows_per_sequence") == 1:
                 data[key].pop("rows_per_sequence")  # one row a sequence, as before the field: the hash stays
     if keys is not None:

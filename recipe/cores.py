@@ -6,10 +6,10 @@ every small operation waits on it: a tiny-model training step with 2 threads too
 idle machine, while 1 thread took 0.47 s either way (docs/performance.md, "Sharing the machine"). ThreadGovernor
 measures, every `interval_s`, how many of the process's cores the other processes keep busy (the machine's busy
 time from /proc/stat less the CPU time of this process and its children) and sets torch's thread count to the
-cores left, never more than the configured number. Where /proc/stat cannot be read (not Linux) it leaves the threads as they are.
-Used by the processes that run torch on several threads of their own: base and SFT on CPU (between steps) and
-the eval stage's in-process hf engine (between chunks of problems); not by the RL stage, whose trainer and engine
-run one thread each, pinned to a core each.
+cores left, never more than the configured number. Where /proc/stat cannot be read (not Linux) it leaves the
+threads as they are. Used by the processes that run torch on several threads of their own: base and SFT on CPU
+(between steps) and the eval stage's in-process hf engine (between chunks of problems); not by the RL stage, whose
+trainer and engine run one thread each, pinned to a core each.
 """
 from __future__ import annotations
 

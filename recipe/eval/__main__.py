@@ -25,7 +25,7 @@ import torch
 from omegaconf import OmegaConf
 
 from recipe.chat import encode_prompt
-from recipe.config import EngineKind, config_hash, drop_unset_top_k
+from recipe.config import SPEED_KEYS, EngineKind, config_hash, drop_unset_top_k
 from recipe.cores import ThreadGovernor
 from recipe.data.schema import read_split
 from recipe.eval import models as eval_models
@@ -44,9 +44,6 @@ from recipe.tracking import Tracker, open_tracker
 # eval keys that only concern the benchmarks: left out of the held-out suite's key, so that adding a benchmark
 # does not redo the held-out eval (and the key stays what it was before these keys existed)
 BENCHMARK_KEYS = ("held_out", "benchmarks", "benchmark_max_problems", "hub_timeout_s")
-# how fast the hf engine runs, not what it samples: out of the held-out key (the same seeds, the same samples up to
-# float rounding between thread counts)
-SPEED_KEYS = ("adapt_threads",)
 # eval keys that say which models to evaluate, not how: out of the held-out key too (eval.checkpoints is hashed as
 # its old default, which the keys made before it took other models were made with)
 MODEL_KEYS = ("checkpoints", "released")
