@@ -43,22 +43,26 @@ import os
 import platform
 import resource
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import transformers
 
 from recipe.chat import SPECIAL_TOKENS, stop_token_ids
 from recipe.config import TinyArch, load_config
 from recipe.inference.hf import HFEngine
 from recipe.model import build_tiny_model, build_tokenizer
+from recipe.rl.dist import World, decoder_layers, shard_model
 from recipe.rl.loss import completion_logprobs
 from recipe.rl.orchestrator import Sample
-from recipe.rl.trainer import build_optimizer, build_scheduler, publish_weights, train_step
+from recipe.rl.trainer import build_optimizer, build_scheduler, full_state_dict, publish_weights, train_step
 from recipe.rollout import SamplingParams
 
 H200_PEAK_BF16_TFLOPS = 989.0  # dense bf16, H100/H200 SXM datasheet (989.4); no sparsity
@@ -73,12 +77,24 @@ SIZES = {
         "sft_batch": 8, "sft_seq": 2048, "prompts": 16, "rollouts": 4, "prompt_len": 128, "max_new_tokens": 256,
         "micro_batch": 16, "gen_batch": 64,
     },
+    # wider matrices (hidden 1536, 128-dim heads as GLM-4.5's): about 2.0B parameters, 0.44B active a token
+    "large": {
+        "arch": dict(vocab_size=32768, hidden_size=1536, intermediate_size=4096, num_hidden_layers=16,
+                     num_attention_heads=12, num_key_value_heads=4, head_dim=128, moe_intermediate_size=768,
+                     n_routed_experts=32, num_experts_per_tok=4, n_shared_experts=1, first_k_dense_replace=1,
+                     partial_rotary_factor=0.5, rope_theta=1_000_000.0, attention_bias=True,
+                     max_position_embeddings=4096),
+        "sft_batch": 8, "sft_seq": 2048, "prompts": 16, "rollouts": 4, "prompt_len": 128, "max_new_tokens": 256,
+        "micro_batch": 16, "gen_batch": 64,
+    },
     "tiny": {
         "arch": dict(),  # recipe.config.TinyArch's defaults: the tiny preset's model
         "sft_batch": 4, "sft_seq": 64, "prompts": 4, "rollouts": 2, "prompt_len": 16, "max_new_tokens": 16,
         "micro_batch": 8, "gen_batch": 64,
     },
 }
+TRAINERS = ("fsdp", "autocast")
+EXPERTS = ("auto", "grouped_mm", "batched_mm", "eager")
 PHASE_KEYS = ("sft_batch", "sft_seq", "prompts", "rollouts", "prompt_len", "max_new_tokens", "micro_batch",
               "gen_batch")
 
@@ -89,9 +105,17 @@ def parse_args(argv=None):
     p.add_argument("--size", choices=sorted(SIZES), default="mid")
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default=None,
                    help="model dtype, trainer and engine alike (default: bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--trainer", choices=TRAINERS, default="fsdp",
+                   help="fsdp (default): the trainer as on ranks, FSDP2 mixed precision (float32 master weights, "
+                        "each layer gathered in --dtype) on a process group of one rank; autocast: as one process "
+                        "trains, float32 parameters under torch.autocast")
+    p.add_argument("--experts", choices=EXPERTS, default="auto",
+                   help="transformers' experts_implementation for the routed experts (auto: transformers' choice)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each decoder layer (SFT only: needs --rl-steps 0)")
     p.add_argument("--sft-steps", type=int, default=5, help="timed SFT steps (after one untimed warm-up step)")
     p.add_argument("--rl-steps", type=int, default=3,
-                   help="RL steps; with more than one the first is left out of the rates (warm-up)")
+                   help="RL steps (0: SFT only); with more than one the first is left out of the rates (warm-up)")
     p.add_argument("--peak-tflops", type=float, default=H200_PEAK_BF16_TFLOPS,
                    help=f"peak TFLOP/s for MFU (default {H200_PEAK_BF16_TFLOPS:g}: H200 dense bf16)")
     p.add_argument("--lr", type=float, default=None, help="RL learning rate (default: preset=intellect3's rl.lr)")
@@ -106,8 +130,10 @@ def parse_args(argv=None):
     for k in PHASE_KEYS:
         if getattr(args, k) is None:
             setattr(args, k, SIZES[args.size][k])
-    if args.sft_steps < 1 or args.rl_steps < 1:
-        p.error("--sft-steps and --rl-steps must be at least 1")
+    if args.sft_steps < 1 or args.rl_steps < 0:
+        p.error("--sft-steps must be at least 1 and --rl-steps at least 0")
+    if args.compile and args.rl_steps:
+        p.error("--compile times SFT only: add --rl-steps 0 (the RL step's shapes change every step)")
     if args.out is None:
         args.out = str(Path(os.environ["OUT"]) / "gpu_check.json") if os.environ.get("OUT") else "gpu_check.json"
     return args
@@ -138,10 +164,30 @@ def active_params(model) -> tuple[int, int, int]:
     return total, int(round(active)), embed
 
 
-def _rate(tokens: int, seconds: float, n_active: int, flops_per_param: int, peak_tflops: float) -> dict:
-    tflops = flops_per_param * n_active * tokens / seconds / 1e12 if seconds > 0 else 0.0
+def attention_pairs(prompt_len: int, completion_len: int) -> int:
+    """Query-key pairs of a causal sequence's attention, a layer and head: each token sees itself and every
+    token before it. prompt_len 0: a whole sequence of completion_len tokens."""
+    n, p = completion_len, prompt_len
+    return n * p + n * (n + 1) // 2 + p * (p + 1) // 2 if p else n * (n + 1) // 2
+
+
+def attention_flops(pairs: int, config, passes: int) -> float:
+    """The attention scores' and their weighted sum's FLOPs (QK^T and AV: 4 * head_dim a query-key pair and head),
+    over every layer; passes: 3 for training (a forward and a backward of twice its cost), 1 for a forward."""
+    heads, head_dim = config.num_attention_heads, config.head_dim
+    return 4.0 * head_dim * heads * config.num_hidden_layers * pairs * passes
+
+
+def _rate(tokens: int, seconds: float, n_active: int, flops_per_param: int, peak_tflops: float,
+          attn_flops: float = 0.0) -> dict:
+    """Tokens/s and MFU under the module docstring's convention, and beside it the MFU that also counts the
+    attention scores' FLOPs (attn_flops: causal, as attention_flops counts them)."""
+    flops = flops_per_param * n_active * tokens
+    tflops = flops / seconds / 1e12 if seconds > 0 else 0.0
+    tflops_attn = (flops + attn_flops) / seconds / 1e12 if seconds > 0 else 0.0
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds > 0 else 0.0,
-            "tflops": tflops, "mfu": tflops / peak_tflops}
+            "tflops": tflops, "mfu": tflops / peak_tflops, "attention_tflop": attn_flops / 1e12,
+            "tflops_with_attention": tflops_attn, "mfu_with_attention": tflops_attn / peak_tflops}
 
 
 def _matmul_tflops(device) -> float | None:
@@ -181,10 +227,33 @@ def _git_commit() -> str | None:
         return None
 
 
-def build(args, device, dtype):
-    """The recipe's tokenizer and model (recipe.model); the model built on the device, its vocabulary padded to
-    the size's (as GLM-4.5 pads its 151329 tokens to 151552 embedding rows)."""
+@dataclass(frozen=True)
+class OneRankWorld(World):
+    """A process group of one rank, taken as distributed: train_step, publish_weights and the optimizer take the
+    ranks' path (FSDP2's DTensors, collectives, no autocast, no shared-prompt pass), as on the production run's
+    ranks, with one GPU."""
 
+    @property
+    def distributed(self) -> bool:
+        return True
+
+
+def join_one_rank_group(device) -> OneRankWorld:
+    """A process group of this process alone (NCCL on a GPU, gloo on the CPU), on a free local port."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1, timeout=datetime.timedelta(seconds=600))
+    return OneRankWorld(rank=0, size=1, device=device)
+
+
+def build(args, device):
+    """The recipe's tokenizer and model (recipe.model); the model built on the device, its vocabulary padded to
+    the size's (as GLM-4.5 pads its 151329 tokens to 151552 embedding rows). Float32 parameters: the master
+    weights, as the trainer holds them (recipe.rl.dist.load_sharded)."""
 
     texts = [f"{a} + {b} = {a + b}" for a in range(40) for b in range(10)] + ["the quick brown fox"] * 10
     arch = TinyArch(**SIZES[args.size]["arch"])
@@ -193,40 +262,47 @@ def build(args, device, dtype):
         model = build_tiny_model(arch, tokenizer, seed=args.seed)
         if arch.vocab_size > model.config.vocab_size:
             model.resize_token_embeddings(arch.vocab_size, mean_resizing=False)
-    # float32 parameters, the master weights, as the trainer holds them (recipe.rl.dist.load_sharded); the forward
-    # runs in `dtype` under autocast (train_step's compute_dtype), the engine holds a `dtype` copy
+    if args.experts != "auto":
+        model.set_experts_implementation(args.experts)
     return model, tokenizer, arch
 
 
 def sft_phase(model, args, device, dtype, low: int, vocab: int, n_active: int) -> dict:
+    """SFT steps on random tokens. trainer fsdp: FSDP2 casts each layer to `dtype` itself; autocast: the float32
+    parameters under torch.autocast (as the one-process Trainer's bf16)."""
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
+    autocast = args.trainer == "autocast" and dtype != torch.float32
     model.train()
-    losses, t0 = [], None
-    for step in range(args.sft_steps + 1):  # step 0: warm-up, untimed
+    losses, t0, step_s = [], None, []
+    for step in range(args.sft_steps + 1):  # step 0: warm-up (and compilation), untimed
         ids = torch.randint(low, vocab, (args.sft_batch, args.sft_seq), generator=gen).to(device)
+        ts = _now(device)
         if step == 1:
-            t0 = _now(device)
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):  # as the Trainer's bf16
+            t0 = ts
+        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))
-        print(f"gpu_check: sft step {step}{' (warm-up)' if step == 0 else ''}: loss {losses[-1]:.4f}", flush=True)
+        losses.append(float(loss.detach()))  # (a sync: the step's time is all of it)
+        step_s.append(_now(device) - ts)
+        print(f"gpu_check: sft step {step}{' (warm-up)' if step == 0 else ''}: loss {losses[-1]:.4f}, "
+              f"{step_s[-1]:.3f}s", flush=True)
     seconds = _now(device) - t0
     del opt
     tokens = args.sft_steps * args.sft_batch * args.sft_seq
+    attn = attention_flops(args.sft_steps * args.sft_batch * attention_pairs(0, args.sft_seq), model.config, 3)
     return {"steps": args.sft_steps, "warmup_steps": 1, "batch": args.sft_batch, "seq_len": args.sft_seq,
             "optimizer": "torch.optim.AdamW, plain torch loop (TRL is not on the GPU machine)",
-            "losses": losses, "loss": losses[-1], **_rate(tokens, seconds, n_active, 6, args.peak_tflops)}
+            "losses": losses, "loss": losses[-1], "step_s": step_s,
+            **_rate(tokens, seconds, n_active, 6, args.peak_tflops, attn)}
 
 
 def probe_logprob(model, ids: list[int], n_prompt: int, temperature: float, device) -> float:
     """Sum of the completion tokens' logprobs (recipe.rl.loss.completion_logprobs, as the trainer scores them)."""
-
 
     with torch.no_grad():
         x = torch.tensor([ids], device=device)
@@ -234,14 +310,16 @@ def probe_logprob(model, ids: list[int], n_prompt: int, temperature: float, devi
         return float(completion_logprobs(logits, x[:, n_prompt:], temperature).sum())
 
 
-def rl_phase(model, engine_model, tokenizer, args, device, dtype, low: int, vocab: int, n_active: int,
-             work: Path) -> dict:
-
+def rl_phase(model, engine_model, tokenizer, args, device, dtype, world: World, low: int, vocab: int,
+             n_active: int, work: Path) -> dict:
+    """RL steps as recipe.rl.loop runs them (module docstring). world: OneRankWorld for trainer fsdp (FSDP2's
+    mixed precision casts), World() for autocast (train_step's compute_dtype)."""
 
     overrides = ["preset=intellect3", f"rl.micro_batch_size={args.micro_batch}"]
     if args.lr is not None:
         overrides.append(f"rl.lr={args.lr}")
     rl = load_config(overrides).rl
+    compute_dtype = None if world.distributed else dtype
     engine = HFEngine(engine_model, tokenizer, stop_token_ids(tokenizer), batch_size=args.gen_batch)
     optimizer = build_optimizer(model, rl)
     schedulers = build_scheduler(optimizer, rl.warmup_steps)
@@ -270,22 +348,26 @@ def rl_phase(model, engine_model, tokenizer, args, device, dtype, low: int, voca
             probe_before = probe_logprob(engine.model, *probe, rl.temperature, device)
         train_tokens = sum(len(x.prompt_ids) + len(x.completion_ids) for x in samples)
         t2 = _now(device)
-        stats = train_step(model, optimizer, schedulers, device, samples, rl, tokenizer.pad_token_id,
-                           compute_dtype=dtype)
+        stats = train_step(model, optimizer, schedulers, device, samples, rl, tokenizer.pad_token_id, world=world,
+                           compute_dtype=compute_dtype)
         t3 = _now(device)
         with torch.no_grad():  # how much of what the engine serves this step moved (it holds the version before)
-            moved = total = 0
-            for a, b in zip(model.parameters(), engine.model.parameters()):
-                moved += int((a.to(b.dtype) != b).sum())
-                total += a.numel()
+            served = engine.model.state_dict()
+            trained = full_state_dict(model, world, dtype)
+            moved = sum(int((trained[k].to(v.device) != v).sum()) for k, v in served.items())
+            total = sum(v.numel() for v in served.values())
+            del trained
         t4 = _now(device)
-        path = publish_weights(model, work / "weights", s + 1, dtype=dtype)
+        path = publish_weights(model, work / "weights", s + 1, world=world, dtype=dtype)
         t5 = _now(device)
         engine.update_weights(path, s + 1)
         t6 = _now(device)
         step = {"step": s + 1, "samples": len(samples), "gen_tokens": gen_tokens, "gen_s": t1 - t0,
                 "train_tokens": train_tokens, "loss_tokens": stats["loss_tokens"], "train_s": t3 - t2,
                 "publish_s": t5 - t4, "reload_s": t6 - t5, "changed_fraction": moved / total,
+                "gen_pairs": sum(attention_pairs(len(x.prompt_ids), len(x.completion_ids)) -
+                                 attention_pairs(0, len(x.prompt_ids)) for x in samples),
+                "train_pairs": sum(attention_pairs(0, len(x.prompt_ids) + len(x.completion_ids)) for x in samples),
                 **{k: stats[k] for k in ("loss", "grad_norm", "mean_ratio", "masked_share", "lr")}}
         steps.append(step)
         print(f"gpu_check: rl step {s + 1}: {gen_tokens} tokens generated in {step['gen_s']:.2f}s, "
@@ -299,22 +381,25 @@ def rl_phase(model, engine_model, tokenizer, args, device, dtype, low: int, voca
               f"{dtype}: the float32 master weights keep the rest until it adds up to a unit in the last place",
               flush=True)
     with torch.no_grad():
-        engine_matches = all(torch.equal(a.to(b.dtype), b) for a, b in zip(model.state_dict().values(),
-                                                                            engine.model.state_dict().values()))
+        trained = full_state_dict(model, world, dtype)
+        engine_matches = all(torch.equal(trained[k].to(v.device), v) for k, v in engine.model.state_dict().items())
+        del trained
     probe_after = probe_logprob(engine.model, *probe, rl.temperature, device)
     probe_trainer = probe_logprob(model, *probe, rl.temperature, device)
     weights_bytes = sum(f.stat().st_size for f in (work / "weights").rglob("*.safetensors")) / (
         len(list((work / "weights").glob("policy_*"))) or 1)
+    cfg = model.config
     return {
         "steps": steps, "timed_steps": [x["step"] for x in timed],
         "settings": {"preset": "intellect3", "optimizer": str(rl.optimizer), "lr": rl.lr,
                      "temperature": rl.temperature, "micro_batch_size": rl.micro_batch_size,
                      "prompts": args.prompts, "rollouts_per_prompt": args.rollouts, "prompt_len": args.prompt_len,
-                     "max_new_tokens": args.max_new_tokens, "gen_batch_size": args.gen_batch},
+                     "max_new_tokens": args.max_new_tokens, "gen_batch_size": args.gen_batch,
+                     "shared_prompt_pass": bool(rl.share_prompts and not world.distributed)},
         "generate": _rate(sum(x["gen_tokens"] for x in timed), sum(x["gen_s"] for x in timed), n_active, 2,
-                          args.peak_tflops),
+                          args.peak_tflops, attention_flops(sum(x["gen_pairs"] for x in timed), cfg, 1)),
         "train": _rate(sum(x["train_tokens"] for x in timed), sum(x["train_s"] for x in timed), n_active, 6,
-                       args.peak_tflops),
+                       args.peak_tflops, attention_flops(sum(x["train_pairs"] for x in timed), cfg, 3)),
         "publish_s": sum(x["publish_s"] for x in timed) / len(timed),
         "reload_s": sum(x["reload_s"] for x in timed) / len(timed),
         "weights_gb": weights_bytes / 2 ** 30,
@@ -329,10 +414,11 @@ def table(r: dict) -> str:
     rows = [("sft train", r["sft"])]
     if "rl" in r:
         rows += [("rl generate", r["rl"]["generate"]), ("rl train", r["rl"]["train"])]
-    lines = [f"{'phase':<12} {'tokens':>9} {'seconds':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>7}"]
+    lines = [f"{'phase':<12} {'tokens':>9} {'seconds':>8} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>7} "
+             f"{'MFU+attn':>8}"]
     for name, x in rows:
         lines.append(f"{name:<12} {x['tokens']:>9} {x['seconds']:>8.2f} {x['tokens_per_s']:>10.0f} "
-                     f"{x['tflops']:>8.2f} {100 * x['mfu']:>6.2f}%")
+                     f"{x['tflops']:>8.2f} {100 * x['mfu']:>6.2f}% {100 * x['mfu_with_attention']:>7.2f}%")
     if "rl" in r:
         rl = r["rl"]
         lines.append(f"weights: publish {rl['publish_s']:.2f}s, engine reload {rl['reload_s']:.2f}s a step "
@@ -340,6 +426,8 @@ def table(r: dict) -> str:
                      f"{rl['engine_matches_trainer']}; probe logprob {rl['probe_logprob_before']:.4f} -> "
                      f"{rl['probe_logprob_after']:.4f}")
     mem = r.get("peak_memory_gb")
+    lines.append(f"trainer: {r['trainer']}; experts: {r['model']['experts_implementation']}; compiled layers: "
+                 f"{r['compile']}")
     lines.append(f"MFU: {r['flops_convention']}; peak {r['peak_tflops']:g} TFLOP/s ({r['peak_tflops_source']})"
                  + (f"; measured bf16 matmul {r['matmul_bf16_tflops']:.0f} TFLOP/s" if r.get("matmul_bf16_tflops")
                     else ""))
@@ -357,11 +445,10 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
 
-
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
-    device = torch.device(args.device)
+    device = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     peak_source = ("H100/H200 SXM datasheet, dense bf16" if args.peak_tflops == H200_PEAK_BF16_TFLOPS
                    else "--peak-tflops")
@@ -372,10 +459,12 @@ def main(argv=None) -> int:
                                                else platform.processor() or platform.machine()),
         "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
         "python": platform.python_version(), "dtype": str(dtype).removeprefix("torch."), "size": args.size,
+        "trainer": args.trainer, "compile": args.compile,
         "peak_tflops": args.peak_tflops, "peak_tflops_source": peak_source,
         "flops_convention": "6*N_active*tokens (train), 2*N_active*tokens (generate); N_active: non-embedding "
                             "parameters a token uses (top-k of the routed experts, lm_head in, embed_tokens "
-                            "out); attention-score FLOPs not counted",
+                            "out); attention-score FLOPs not counted (MFU+attn counts them too: 4*head_dim*heads "
+                            "a causal query-key pair and layer, x3 in training)",
     }
     out = Path(args.out)
 
@@ -386,10 +475,11 @@ def main(argv=None) -> int:
         out.write_text(json.dumps(result, indent=2, default=str))
 
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
+    world = World(device=device)
     try:
         result["matmul_bf16_tflops"] = _matmul_tflops(device)
         t0 = _now(device)
-        model, tokenizer, arch = build(args, device, dtype)
+        model, tokenizer, arch = build(args, device)
         result["build_s"] = _now(device) - t0
         total, n_active, embed = active_params(model)
         # random tokens above the special ones (which come first: recipe.model.build_tokenizer), so no prompt holds
@@ -403,22 +493,35 @@ def main(argv=None) -> int:
         print(f"gpu_check: {result['device_name']}, torch {torch.__version__}, transformers "
               f"{transformers.__version__}, {result['dtype']}; {type(model).__name__} ({args.size}): "
               f"{total / 1e9:.3f}B parameters, {n_active / 1e9:.3f}B active a token; built in "
-              f"{result['build_s']:.1f}s", flush=True)
+              f"{result['build_s']:.1f}s; trainer {args.trainer}, experts "
+              f"{result['model']['experts_implementation']}{', compiled layers' if args.compile else ''}", flush=True)
+        # the engine's copy, made before sharding (an FSDP2 module is not copied); it takes the trainer's weights
+        # after SFT, as the RL stage starts both from the SFT model
+        engine_model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False) if args.rl_steps else None
+        if args.compile:
+            for layer in decoder_layers(model):
+                layer.compile()
+        if args.trainer == "fsdp":
+            world = join_one_rank_group(device)
+            shard_model(model, world, 1, dtype)
         _reset_peak(device)
         result["sft"] = sft_phase(model, args, device, dtype, low, vocab, n_active)
         result["sft"]["peak_memory_gb"] = _peak_mem(device)
+        result["peak_memory_gb"] = result["sft"]["peak_memory_gb"]
+        result["ok"] = math.isfinite(result["sft"]["loss"])
         write()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        # the engine starts from the trainer's weights (the RL stage starts both from the SFT model)
-        engine_model = copy.deepcopy(model).to(dtype).eval().requires_grad_(False)
-        _reset_peak(device)
-        result["rl"] = rl_phase(model, engine_model, tokenizer, args, device, dtype, low, vocab, n_active, work)
-        result["rl"]["peak_memory_gb"] = _peak_mem(device)
-        peaks = [x for x in (result["sft"]["peak_memory_gb"], result["rl"]["peak_memory_gb"]) if x is not None]
-        result["peak_memory_gb"] = max(peaks) if peaks else None
-        result["ok"] = bool(result["rl"]["engine_matches_trainer"] and math.isfinite(result["sft"]["loss"])
-                            and math.isfinite(result["rl"]["loss"]))
+        if args.rl_steps:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            engine_model.load_state_dict(full_state_dict(model, world, dtype))
+            _reset_peak(device)
+            result["rl"] = rl_phase(model, engine_model, tokenizer, args, device, dtype, world, low, vocab,
+                                    n_active, work)
+            result["rl"]["peak_memory_gb"] = _peak_mem(device)
+            peaks = [x for x in (result["sft"]["peak_memory_gb"], result["rl"]["peak_memory_gb"]) if x is not None]
+            result["peak_memory_gb"] = max(peaks) if peaks else None
+            result["ok"] = bool(result["ok"] and result["rl"]["engine_matches_trainer"]
+                                and math.isfinite(result["rl"]["loss"]))
     except BaseException as e:
         result["ok"] = False
         result["error"] = f"{type(e).__name__}: {e}"
@@ -427,6 +530,8 @@ def main(argv=None) -> int:
         raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        if dist.is_initialized():
+            dist.destroy_process_group()
     write()
     print(table(result))
     print(f"gpu_check: {'ok' if result['ok'] else 'FAILED'}; wrote {out}", flush=True)

@@ -33,11 +33,13 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 LOG_DIR=${OUT:-.}
+LOG=$LOG_DIR/${GPU_CHECK_LOG:-gpu_check.log}  # appended to (scripts/gpu_sweep.sh runs several checks into one)
 mkdir -p "$LOG_DIR"
 {
+  echo "== gpu_check.sh $*"
   if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true
   fi
   "$PY" -m recipe.gpu_check --device cuda "$@"
-} 2>&1 | tee "$LOG_DIR/gpu_check.log"
+} 2>&1 | tee -a "$LOG"
 exit "${PIPESTATUS[0]}"
