@@ -113,6 +113,9 @@ def parse_args(argv=None):
                    help="transformers' experts_implementation for the routed experts (auto: transformers' choice)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder layer (SFT only: needs --rl-steps 0)")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed steps, one more SFT step and RL train step under torch.profiler: "
+                        "kernel time by kind, the top kernels")
     p.add_argument("--sft-steps", type=int, default=5, help="timed SFT steps (after one untimed warm-up step)")
     p.add_argument("--rl-steps", type=int, default=3,
                    help="RL steps (0: SFT only); with more than one the first is left out of the rates (warm-up)")
@@ -220,11 +223,70 @@ def _reset_peak(device) -> None:
 
 
 def _git_commit() -> str | None:
+    """The commit the check runs at: GPU_CHECK_COMMIT when set (the device machine's copy of the tree may hold an
+    older .git than its files), else `git rev-parse HEAD`."""
+    if os.environ.get("GPU_CHECK_COMMIT"):
+        return os.environ["GPU_CHECK_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
                               cwd=Path(__file__).resolve().parent).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         return None
+
+
+# kinds of GPU kernel by their names (first match wins), for the profile's breakdown of a step
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "attention", "attn")),
+    ("grouped matmul (routed experts)", ("grouped", "group_gemm", "groupmm")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "sm90_")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("copy, cast, collectives", ("nccl", "copy", "memcpy", "memset", "cat_", "catarray")),
+    ("compiled elementwise (triton)", ("triton",)),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other elementwise, reductions")
+
+
+def profile_call(fn, device) -> dict:
+    """fn() once under torch.profiler: where its time went. On a GPU, kernel time by kind (KERNEL_KINDS) and the
+    top kernels, and kernel time over the call's wall time (below 1: the GPU waited on the host launching work);
+    on the CPU, the ops' own times. The profiler's overhead is in the wall time."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    t0 = _now(device)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])) as prof:
+        fn()
+        _now(device)
+    wall = _now(device) - t0
+    times: dict[str, float] = {}
+    for e in prof.key_averages():
+        if on_gpu and e.device_type != DeviceType.CUDA:
+            continue
+        us = e.self_device_time_total if on_gpu else e.self_cpu_time_total
+        if us > 0:
+            times[e.key] = times.get(e.key, 0.0) + us / 1e6
+    busy = sum(times.values())
+    kinds: dict[str, float] = {}
+    for name, sec in times.items():
+        kind = kernel_kind(name) if on_gpu else "cpu ops"
+        kinds[kind] = kinds.get(kind, 0.0) + sec
+    top = sorted(times.items(), key=lambda kv: -kv[1])[:15]
+    return {"wall_s": wall, "kernel_s" if on_gpu else "op_s": busy, "busy_share": busy / wall if wall else 0.0,
+            "by_kind_s": dict(sorted(kinds.items(), key=lambda kv: -kv[1])),
+            "top": [{"name": n[:120], "s": sec, "share": sec / busy if busy else 0.0} for n, sec in top]}
+
+
+def _print_profile(what: str, prof: dict) -> None:
+    kinds = ", ".join(f"{k} {1000 * v:.1f}ms" for k, v in prof["by_kind_s"].items())
+    print(f"gpu_check: profile of {what}: wall {1000 * prof['wall_s']:.1f}ms, busy {100 * prof['busy_share']:.0f}%; "
+          f"{kinds}", flush=True)
+    for t in prof["top"][:8]:
+        print(f"gpu_check:   {1000 * t['s']:8.2f}ms {100 * t['share']:5.1f}%  {t['name']}", flush=True)
 
 
 @dataclass(frozen=True)
@@ -275,29 +337,40 @@ def sft_phase(model, args, device, dtype, low: int, vocab: int, n_active: int) -
     gen = torch.Generator().manual_seed(args.seed)
     autocast = args.trainer == "autocast" and dtype != torch.float32
     model.train()
-    losses, t0, step_s = [], None, []
+    losses, t0, step_s, opt_s = [], None, [], []
+
+    def one_step(ids):
+        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        to = _now(device)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        opt_s.append(_now(device) - to)
+        return float(loss.detach())
+
     for step in range(args.sft_steps + 1):  # step 0: warm-up (and compilation), untimed
         ids = torch.randint(low, vocab, (args.sft_batch, args.sft_seq), generator=gen).to(device)
         ts = _now(device)
         if step == 1:
             t0 = ts
-        with torch.autocast(device.type, dtype=dtype, enabled=autocast):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(float(loss.detach()))  # (a sync: the step's time is all of it)
+        losses.append(one_step(ids))  # (a sync: the step's time is all of it)
         step_s.append(_now(device) - ts)
         print(f"gpu_check: sft step {step}{' (warm-up)' if step == 0 else ''}: loss {losses[-1]:.4f}, "
-              f"{step_s[-1]:.3f}s", flush=True)
+              f"{step_s[-1]:.3f}s (optimizer {opt_s[-1]:.3f}s)", flush=True)
     seconds = _now(device) - t0
-    del opt
+    profiled = None
+    if args.profile:  # one more step, untimed, under the profiler
+        ids = torch.randint(low, vocab, (args.sft_batch, args.sft_seq), generator=gen).to(device)
+        profiled = profile_call(lambda: one_step(ids), device)
+        _print_profile("an SFT step", profiled)
     tokens = args.sft_steps * args.sft_batch * args.sft_seq
     attn = attention_flops(args.sft_steps * args.sft_batch * attention_pairs(0, args.sft_seq), model.config, 3)
     return {"steps": args.sft_steps, "warmup_steps": 1, "batch": args.sft_batch, "seq_len": args.sft_seq,
             "optimizer": "torch.optim.AdamW, plain torch loop (TRL is not on the GPU machine)",
-            "losses": losses, "loss": losses[-1], "step_s": step_s,
+            "losses": losses, "loss": losses[-1], "step_s": step_s[:args.sft_steps + 1],
+            "optimizer_s": opt_s[1:args.sft_steps + 1], "profile": profiled,
             **_rate(tokens, seconds, n_active, 6, args.peak_tflops, attn)}
 
 
@@ -386,6 +459,24 @@ def rl_phase(model, engine_model, tokenizer, args, device, dtype, world: World, 
         del trained
     probe_after = probe_logprob(engine.model, *probe, rl.temperature, device)
     probe_trainer = probe_logprob(model, *probe, rl.temperature, device)
+    profiled = None
+    if args.profile:  # one more train step on the last batch, untimed, under the profiler; its optimizer timed
+        step_opt = optimizer.step
+        opt_time = []
+
+        def timed_step(*a, **kw):
+            to = _now(device)
+            out = step_opt(*a, **kw)
+            opt_time.append(_now(device) - to)
+            return out
+
+        optimizer.step = timed_step
+        profiled = profile_call(lambda: train_step(model, optimizer, schedulers, device, samples, rl,
+                                                   tokenizer.pad_token_id, world=world, compute_dtype=compute_dtype),
+                                device)
+        optimizer.step = step_opt
+        profiled["optimizer_s"] = opt_time[0]
+        _print_profile(f"an RL train step (optimizer {rl.optimizer}: {opt_time[0]:.3f}s of it)", profiled)
     weights_bytes = sum(f.stat().st_size for f in (work / "weights").rglob("*.safetensors")) / (
         len(list((work / "weights").glob("policy_*"))) or 1)
     cfg = model.config
@@ -406,7 +497,7 @@ def rl_phase(model, engine_model, tokenizer, args, device, dtype, world: World, 
         "loss": steps[-1]["loss"],
         "engine_matches_trainer": engine_matches,
         "probe_logprob_before": probe_before, "probe_logprob_after": probe_after,
-        "probe_logprob_trainer": probe_trainer,
+        "probe_logprob_trainer": probe_trainer, "train_profile": profiled,
     }
 
 
