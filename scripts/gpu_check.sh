@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # The GPU check (recipe/gpu_check.py: SFT steps, then RL steps with the hf engine generating on the GPU, the
 # recipe's train_step with Muon + AdamW, and the weights reloaded into the engine; tokens/s, MFU, peak memory),
-# in one command for a GPU machine with no network (torch and transformers preinstalled). Not yet run on a GPU.
+# in one command for a GPU machine with no network (torch and transformers preinstalled). Ran on one H200 on
+# 2026-12-04 (RESULTS.md; results/gpu/); scripts/gpu_sweep.sh runs it with its variants in one call.
 #
 # From a session whose task is lent a machine, in the repo's root (the checkout the session started in: the
 # device call sends that one, so this script must be on its branch):
 #   1. here:   bash scripts/fetch_gpu_wheels.sh        (the wheels below into .whl/, ignored by git)
 #   2. device: run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=420)
 #      then give_back(). What comes back: $OUT/gpu_check.json (every number) and $OUT/gpu_check.log.
-# It runs in about two minutes on an H200 by estimate (model build on the GPU, 6 SFT steps of 16k tokens,
-# 3 RL steps of 64 rollouts of 256 tokens, 3 weight reloads of 1.7 GiB), plus the machine's start.
+# On the H200 it took 67 s (model build on the GPU, 6 SFT steps of 16k tokens, 3 RL steps of 64 rollouts of
+# 256 tokens, 3 weight reloads of 1.7 GiB), plus the machine's start; gpu_sweep.sh about 5 minutes.
 #
 # The device image has torch 2.11 and transformers 5.17 (KINDS.md) but not these pure-Python packages, which the
 # recipe's modules import (recipe.config: hydra, omegaconf; recipe.envs: the math verifier). Carried as wheels,
@@ -35,8 +36,8 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 LOG_DIR=${OUT:-.}
 LOG=$LOG_DIR/${GPU_CHECK_LOG:-gpu_check.log}  # appended to (scripts/gpu_sweep.sh runs several checks into one)
 mkdir -p "$LOG_DIR"
+echo "== gpu_check.sh $*" >>"$LOG"  # the log's own header for each check (gpu_sweep.sh's log holds several)
 {
-  echo "== gpu_check.sh $*"
   if command -v nvidia-smi >/dev/null; then
     nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader || true
   fi

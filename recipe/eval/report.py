@@ -247,6 +247,155 @@ def engine_section(cfg) -> str:
             f"| ms of wall time a step | {cells('wall_ms')} |\n")
 
 
+GPU_RESULTS = Path("results") / "gpu"  # committed: what the device machine's checks wrote, a folder a commit
+
+
+def gpu_runs(root: Path) -> list[tuple[str, str, dict]]:
+    """(commit, variant, record) of every GPU check committed under results/gpu/<commit>/<variant>.json (what
+    scripts/gpu_sweep.sh wrote on the device machine, copied there unchanged), by date."""
+    runs = []
+    for path in sorted((root / GPU_RESULTS).glob("*/*.json")):
+        runs.append((path.parent.name, path.stem, read_json(path)))
+    return sorted(runs, key=lambda r: (r[2].get("date", ""), r[1]))
+
+
+def gpu_profile_kinds(profile: dict) -> tuple[float, dict[str, float]]:
+    """(kernel seconds, seconds by kind) of a profiled step as the report tables them: record_function ranges
+    that older checks counted as kernels (their time is their kernels') taken out again, and the two kinds of
+    matrix product (dense, grouped experts: the grouped kernels' names were not always told apart) together."""
+    from recipe.gpu_check import is_annotation, kernel_kind  # (torch and transformers: only when there are runs)
+
+    kinds = dict(profile["by_kind_s"])
+    busy = profile["kernel_s"]
+    for t in profile["top"]:
+        if is_annotation(t["name"]):
+            kind = kernel_kind(t["name"])
+            kinds[kind] = kinds.get(kind, 0.0) - t["s"]
+            busy -= t["s"]
+    matmul = kinds.pop("matmul", 0.0) + kinds.pop("grouped matmul (routed experts)", 0.0)
+    return busy, {"matmul": matmul, **kinds}
+
+
+GPU_KIND_COLUMNS = (("matmul", "matmul (dense, grouped)"), ("attention", "attention"),
+                    ("optimizer", "optimizer"), ("copy, cast, collectives", "copies, casts"),
+                    ("other elementwise, reductions", "elementwise (eager)"),
+                    ("compiled elementwise (triton)", "elementwise (compiled)"))
+
+
+def gpu_rl_partial(record: dict, log: str, variant: str) -> dict | None:
+    """The RL figures of a check stopped after some RL steps but before it wrote its RL results (a variant past
+    gpu_sweep.sh's time limit): from the steps it wrote down (rl_steps_so_far), or, for a check older than that,
+    from the step lines it printed to gpu_sweep.log. Rates over the steps after the first, as the check computes
+    them; a logged step's trained tokens = prompts x rollouts x prompt tokens + its generated tokens."""
+    import re
+
+    from recipe.gpu_check import parse_args  # (torch and transformers: only when there are runs)
+
+    steps = [(x["gen_tokens"], x["gen_s"], x["train_s"], x["publish_s"], x["reload_s"], x["train_tokens"])
+             for x in record.get("rl_steps_so_far", [])]
+    if not steps:
+        section = next((part for part in log.split("\n== gpu_check.sh ")[1:]  # its command line names its JSON
+                        if f"/{variant}.json " in part.split("\n", 1)[0] + " "), "")
+        args = parse_args([a for a in record["argv"] if a] + ["--out", "-"])
+        prompt_tokens = args.prompts * args.rollouts * args.prompt_len
+        lines = re.findall(r"rl step \d+: (\d+) tokens generated in ([\d.]+)s, train ([\d.]+)s .*?publish "
+                           r"([\d.]+)s, reload ([\d.]+)s", section)
+        steps = [(g, gs, ts, ps, rs, g + prompt_tokens) for g, gs, ts, ps, rs in (map(float, m) for m in lines)]
+    if not steps:
+        return None
+    timed = steps[1:] or steps
+    gen, gen_s, train_s, train_tokens = (sum(s[i] for s in timed) for i in (0, 1, 2, 5))
+    mfu = 6 * record["model"]["params_active"] * train_tokens / train_s / (record["peak_tflops"] * 1e12)
+    return {"generate_tps": gen / gen_s, "train_tps": train_tokens / train_s, "train_mfu": mfu,
+            "publish_s": sum(s[3] for s in timed) / len(timed), "reload_s": sum(s[4] for s in timed) / len(timed)}
+
+
+def _gpu_argv(record: dict) -> str:
+    argv, skip = [], False
+    for a in record.get("argv", []):
+        if skip:
+            skip = False
+        elif a == "--out":
+            skip = True
+        elif a != "--device" and a != "cuda":
+            argv.append(a)
+    return " ".join(argv)
+
+
+def gpu_section(root: Path) -> str:
+    runs = gpu_runs(root)
+    if not runs:
+        return "_No GPU check yet: run `make gpu-check` on a machine with a CUDA GPU._\n"
+    first = runs[0][2]
+    out = [f"Reproduce: `bash scripts/gpu_sweep.sh` (every variant below in one call) or `bash scripts/gpu_check.sh "
+           "ARGS` (one; `make gpu-check GPU_CHECK_ARGS=...`) on a machine with a CUDA GPU; the JSONs are committed "
+           f"under `{GPU_RESULTS}/<commit>/`. {first['device_name']}, torch {first['torch']} (CUDA "
+           f"{first['cuda']}), transformers {first['transformers']}, {first['dtype']}. A GLM-4-MoE "
+           "(Glm4MoeForCausalLM) built on the GPU by recipe.model, random tokens; SFT: a plain AdamW loop, the "
+           "first step (and compilation) left out; RL: the recipe's hf engine generates, its train_step (Muon + "
+           "AdamW, preset intellect3's loss) trains, the weights are published and reloaded, the first step "
+           "left out. Trainer fsdp: FSDP2 mixed precision (float32 master weights, layers gathered in bf16) on a "
+           "process group of one rank, as the production ranks train; autocast: float32 parameters under "
+           "torch.autocast, as one process trains. MFU: 6 x active parameters x tokens / s over "
+           f"{first['peak_tflops']:g} TFLOP/s ({first['peak_tflops_source']}; one 8192^3 bf16 product measured "
+           f"{first['matmul_bf16_tflops']:.0f} TFLOP/s there); with attention: the causal attention scores' "
+           "FLOPs added (recipe/gpu_check.py).\n\n",
+           "| commit | variant (ARGS) | model: params / active | trainer | compiled | SFT rows x tokens | "
+           "SFT tokens/s | SFT MFU | with attention | optimizer s a step | RL generate tokens/s | RL train "
+           "tokens/s | RL train MFU | publish + reload s | peak GiB |\n",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"]
+    stopped = []
+    for commit, name, r in runs:
+        m, sft, rl = r["model"], r["sft"], r.get("rl")
+        opt = sft.get("optimizer_s")
+        argv = r.get("argv", [])
+        wanted_rl = not ("--rl-steps" in argv and argv[argv.index("--rl-steps") + 1] == "0")
+        logged = None
+        if not rl and wanted_rl:
+            log = root / GPU_RESULTS / commit / "gpu_sweep.log"
+            logged = gpu_rl_partial(r, log.read_text() if log.exists() else "", name)
+        if rl:
+            rl_cells = (f"{rl['generate']['tokens_per_s']:.0f} | {rl['train']['tokens_per_s']:.0f} | "
+                        f"{100 * rl['train']['mfu']:.1f}% | {rl['publish_s']:.2f} + {rl['reload_s']:.2f}")
+        elif logged:  # stopped before it wrote its RL figures: its step lines (footnote)
+            rl_cells = (f"{logged['generate_tps']:.0f}* | {logged['train_tps']:.0f}* | "
+                        f"{100 * logged['train_mfu']:.1f}%* | {logged['publish_s']:.2f} + {logged['reload_s']:.2f}*")
+            stopped.append(name)
+        else:
+            rl_cells = "- | - | - | -" if not wanted_rl else "stopped | - | - | -"
+        peak = r.get("peak_memory_gb")
+        opt_cell = f"{sum(opt) / len(opt):.3f}" if opt else "-"
+        peak_cell = f"{peak:.1f}" if peak is not None else "-"
+        out.append(f"| {commit[:10]} | {name} (`{_gpu_argv(r)}`) | {m['params_total'] / 1e9:.2f}B / "
+                   f"{m['params_active'] / 1e9:.2f}B | {r['trainer']} | {'yes' if r['compile'] else 'no'} | "
+                   f"{sft['batch']} x {sft['seq_len']} | {sft['tokens_per_s']:.0f} | {100 * sft['mfu']:.1f}% | "
+                   f"{100 * sft['mfu_with_attention']:.1f}% | {opt_cell} | {rl_cells} | {peak_cell} |\n")
+    if stopped:
+        out.append(f"\n\\* {', '.join(stopped)}: stopped at gpu_sweep.sh's time limit for the variant after its RL "
+                   "steps, before it wrote its RL results; these figures are from the steps it wrote down, or for "
+                   "an older check the step lines it printed to gpu_sweep.log (the same rates: the steps after the "
+                   "first; a logged step's trained tokens = prompts x rollouts x prompt tokens + generated "
+                   "tokens).\n")
+    profiled = [(c, n, step, p) for c, n, r in runs for step, p in
+                (("SFT", r["sft"].get("profile")), ("RL train", (r.get("rl") or {}).get("train_profile"))) if p]
+    if profiled:
+        out += ["\nWhere a step's time goes (`--profile`: one more step after the timed ones under torch.profiler; "
+                "the profiler slows the host, so the wall time here is longer than the timed steps'). Kernels "
+                "busy: the kernels' time over the wall time (below 100%: the GPU waited on the host). Optimizer "
+                "step: its wall time, synchronised before and after (Muon's Newton-Schulz products count as "
+                "matmul below). Milliseconds of kernel time by kind:\n\n",
+                "| commit | variant | step | wall ms | kernels busy | optimizer step ms | " +
+                " | ".join(label for _, label in GPU_KIND_COLUMNS) + " |\n",
+                "|---|---|---|---|---|---|" + "---|" * len(GPU_KIND_COLUMNS) + "\n"]
+        for commit, name, step, p in profiled:
+            busy, kinds = gpu_profile_kinds(p)
+            opt = f"{1000 * p['optimizer_s']:.0f}" if "optimizer_s" in p else "-"
+            out.append(f"| {commit[:10]} | {name} | {step} | {1000 * p['wall_s']:.0f} | "
+                       f"{100 * busy / p['wall_s']:.0f}% | {opt} | " +
+                       " | ".join(f"{1000 * kinds.get(k, 0.0):.1f}" for k, _ in GPU_KIND_COLUMNS) + " |\n")
+    return "".join(out)
+
+
 def soak_section(cfg) -> str:
     b = _bench_json(cfg, "soak")
     if b is None:
@@ -583,6 +732,7 @@ def write_report(cfg) -> Path:
     parts += ["\n## Performance: the inference engine's decode step\n\n", engine_section(cfg)]
     parts += ["\n## Performance: code sandbox throughput\n\n", sandbox_section(cfg)]
     parts += ["\n## Memory over a long RL run\n\n", soak_section(cfg)]
+    parts += ["\n## Performance: one H200 GPU\n\n", gpu_section(root)]
     write_atomic(path, "".join(parts))
     return path
 
