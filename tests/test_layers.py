@@ -11,7 +11,7 @@ PKG = ROOT / "recipe"
 LAYERS = [
     ["recipe.errors"],
     ["recipe.config"],
-    ["recipe.runs", "recipe.tracking", "recipe.cores"],
+    ["recipe.runs", "recipe.tracking", "recipe.cores", "recipe.gpu_profile"],
     ["recipe.launch.roles"],
     ["recipe.chat", "recipe.hub", "recipe.sandbox", "recipe.weights", "recipe.model_card"],
     ["recipe.envs", "recipe.model"],
