@@ -89,8 +89,14 @@ def test_packed_batches_follow_padded_ones(tok, tmp_path):
     for s in a:
         assert b[s]["loss"] == pytest.approx(a[s]["loss"], rel=1e-4), s
         assert b[s]["padding"] <= a[s]["padding"]
+    # the same weights up to float rounding, which Adam magnifies where a gradient is near zero (it moves such an
+    # element by up to lr, 1e-2, a step, whatever the gradient's size): each element within a tenth of one step
+    # (one of 38308 differed by 1.01e-4 on an AMD EPYC), and the whole, on average, far closer
+    diffs = []
     for k, t in padded.state_dict().items():
-        torch.testing.assert_close(packed.state_dict()[k], t, atol=1e-4, rtol=0, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(packed.state_dict()[k], t, atol=1e-3, rtol=0, msg=lambda m: f"{k}: {m}")
+        diffs.append((packed.state_dict()[k] - t).abs().flatten())
+    assert torch.cat(diffs).mean() < 1e-6
 
 
 class Loaded(Exception):
