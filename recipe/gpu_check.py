@@ -118,6 +118,10 @@ def parse_args(argv=None):
                    help="transformers' experts_implementation for the routed experts (auto: transformers' choice)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile each decoder layer (SFT only: needs --rl-steps 0)")
+    p.add_argument("--keep-gathered", action="store_true",
+                   help="trainer fsdp: keep each layer's gathered bf16 weights from forward to backward "
+                        "(reshard_after_forward=False: one gather a step instead of two)")
+    p.add_argument("--fused-adamw", action="store_true", help="SFT: torch's fused AdamW (default: foreach)")
     p.add_argument("--profile", action="store_true",
                    help="after the timed steps, one more SFT step and RL train step under torch.profiler: "
                         "kernel time by kind, the top kernels")
@@ -140,6 +144,8 @@ def parse_args(argv=None):
             setattr(args, k, SIZES[args.size][k])
     if args.sft_steps < 1 or args.rl_steps < 0:
         p.error("--sft-steps must be at least 1 and --rl-steps at least 0")
+    if args.keep_gathered and args.trainer != "fsdp":
+        p.error("--keep-gathered is a setting of --trainer fsdp (FSDP2's gathers)")
     if args.compile and args.rl_steps:
         p.error("--compile times SFT only: add --rl-steps 0 (the RL step's shapes change every step)")
     if args.out is None:
@@ -291,7 +297,8 @@ def sft_phase(model, args, device, dtype, low: int, vocab: int, n_active: int) -
     """SFT steps on random tokens. trainer fsdp: FSDP2 casts each layer to `dtype` itself; autocast: the float32
     parameters under torch.autocast (as the one-process Trainer's bf16)."""
 
-    opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0)
+    # fused: one kernel for the whole update where torch has it (--fused-adamw); else torch's default, foreach
+    opt = torch.optim.AdamW(model.parameters(), lr=args.sft_lr, weight_decay=0.0, fused=args.fused_adamw or None)
     gen = torch.Generator().manual_seed(args.seed)
     autocast = args.trainer == "autocast" and dtype != torch.float32
     model.train()
@@ -511,7 +518,8 @@ def main(argv=None) -> int:
                                                else platform.processor() or platform.machine()),
         "torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
         "python": platform.python_version(), "dtype": str(dtype).removeprefix("torch."), "size": args.size,
-        "trainer": args.trainer, "compile": args.compile,
+        "trainer": args.trainer, "compile": args.compile, "keep_gathered": args.keep_gathered,
+        "fused_adamw": args.fused_adamw,
         "peak_tflops": args.peak_tflops, "peak_tflops_source": peak_source,
         "flops_convention": "6*N_active*tokens (train), 2*N_active*tokens (generate); N_active: non-embedding "
                             "parameters a token uses (top-k of the routed experts, lm_head in, embed_tokens "
@@ -555,7 +563,7 @@ def main(argv=None) -> int:
                 layer.compile()
         if args.trainer == "fsdp":
             world = join_one_rank_group(device)
-            shard_model(model, world, 1, dtype)
+            shard_model(model, world, 1, dtype, reshard_after_forward=not args.keep_gathered)
         _reset_peak(device)
         result["sft"] = sft_phase(model, args, device, dtype, low, vocab, n_active)
         result["sft"]["peak_memory_gb"] = _peak_mem(device)

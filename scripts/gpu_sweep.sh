@@ -6,6 +6,8 @@
 #   sft_compile.json         mid, SFT only, each decoder layer torch.compile'd      (GPU_SWEEP_COMPILE=0: skipped)
 #   sft_compile_b16.json     mid, likewise, 16 rows of 2048 tokens a step          (GPU_SWEEP_COMPILE=0: skipped)
 #   sft_large_compile_b16.json  large (hidden 1536, 0.44B active), likewise        (GPU_SWEEP_COMPILE=0: skipped)
+#   sft_large_tuned.json     large, likewise, each layer's gathered weights kept from forward to backward and a
+#                            fused AdamW: the levers the profiles point at (docs/performance.md; not yet run)
 #   rl_batch512.json         mid, RL steps of 64 prompts x 8 samples (512 rollouts, generated 512 at a time)
 # and every run's output appended to gpu_sweep.log, all under $OUT (else .). A variant that fails leaves its
 # JSON with "ok": false and the error, and the next one runs. Arguments are appended to every run, so they win:
@@ -29,7 +31,9 @@ if [ "${GPU_SWEEP_COMPILE:-1}" != 0 ]; then
   run sft_compile 75 --compile --rl-steps 0 --profile "$@"
   run sft_compile_b16 75 --compile --rl-steps 0 --sft-batch 16 --profile "$@"
   run sft_large_compile_b16 75 --size large --compile --rl-steps 0 --sft-batch 16 --profile "$@"
+  run sft_large_tuned 75 --size large --compile --rl-steps 0 --sft-batch 16 --keep-gathered --fused-adamw \
+    --profile "$@"
 fi
-run rl_batch512 100 --sft-steps 1 --rl-steps 2 --prompts 64 --rollouts 8 --gen-batch 512 --micro-batch 32 \
+run rl_batch512 150 --sft-steps 1 --rl-steps 2 --prompts 64 --rollouts 8 --gen-batch 512 --micro-batch 32 \
   --profile "$@"
 exit $failed

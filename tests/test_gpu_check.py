@@ -60,11 +60,23 @@ def test_cpu_tiny_check_through_the_script(tmp_path):
         assert prof["by_kind_s"] and all(t["s"] > 0 for t in prof["top"])
     assert "gpu_check: profile of an SFT step" in (tmp_path / "out" / "gpu_check.log").read_text()
 
+    # the levers the H200 profiles point at (gpu_sweep.sh's sft_large_tuned): each layer's gathered weights kept
+    # from forward to backward, a fused AdamW; the same training, to float rounding
+    r = _script(["--device", "cpu", "--size", "tiny", "--sft-steps", "2", "--rl-steps", "1", "--threads", "1",
+                 "--keep-gathered", "--fused-adamw", "--out", str(tmp_path / "tuned.json")], tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    tuned = json.loads((tmp_path / "tuned.json").read_text())
+    assert tuned["keep_gathered"] is True and tuned["fused_adamw"] is True and tuned["ok"] is True
+    assert tuned["sft"]["losses"] == pytest.approx(out["sft"]["losses"], rel=1e-5)
+    assert tuned["rl"]["engine_matches_trainer"] is True
 
-def test_compile_times_sft_only_and_says_so(tmp_path):
-    r = _script(["--device", "cpu", "--size", "tiny", "--compile"], tmp_path)
-    assert r.returncode == 2 and "--compile times SFT only: add --rl-steps 0" in r.stdout + r.stderr
-    assert not (tmp_path / "out" / "gpu_check.json").exists()
+
+def test_settings_that_do_not_go_together_are_one_line_each(tmp_path):
+    for args, says in ((["--compile"], "--compile times SFT only: add --rl-steps 0"),
+                       (["--trainer", "autocast", "--keep-gathered"], "--keep-gathered is a setting of --trainer fsdp")):
+        r = _script(["--device", "cpu", "--size", "tiny", *args], tmp_path)
+        assert r.returncode == 2 and says in r.stdout + r.stderr, args
+        assert not (tmp_path / "out" / "gpu_check.json").exists()
 
 
 def test_attention_pairs_and_flops():

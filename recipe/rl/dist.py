@@ -162,7 +162,8 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return list(model.model.layers)
 
 
-def shard_model(model, world: World, replicas: int = 1, compute_dtype: torch.dtype = torch.float32) -> None:
+def shard_model(model, world: World, replicas: int = 1, compute_dtype: torch.dtype = torch.float32,
+                reshard_after_forward: bool = True) -> None:
     """FSDP2 over every rank: each decoder layer is a unit of its own (gathered for its forward and backward
     only), the root holds the rest (embeddings, final norm, head). replicas > 1 is HSDP, as prime-rl runs
     INTELLECT-3: the ranks form `replicas` groups, each holding one whole sharded copy, and gradients are reduced
@@ -170,7 +171,9 @@ def shard_model(model, world: World, replicas: int = 1, compute_dtype: torch.dty
     already its tokens' share of the step's global mean (recipe.rl.trainer.train_step), so the sum is the
     one-process gradient. A compute dtype below float32 (bf16) is FSDP2's mixed precision: the shards (the master
     weights the optimizer updates) stay float32, each layer is gathered in bf16 for its forward and backward, and
-    gradients are reduced in float32."""
+    gradients are reduced in float32. reshard_after_forward=False keeps each layer's gathered weights from its
+    forward to its backward (one gather a step instead of two, for the memory of a whole bf16 copy; the GPU check's
+    --keep-gathered)."""
     if world.size % replicas:
         raise ConfigError(f"launcher.hsdp_replicas = {replicas} does not divide the {world.size} trainer ranks")
     mesh = init_device_mesh(world.device.type, (replicas, world.size // replicas),
@@ -178,8 +181,8 @@ def shard_model(model, world: World, replicas: int = 1, compute_dtype: torch.dty
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) \
         if compute_dtype != torch.float32 else MixedPrecisionPolicy()
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=mp)
-    fully_shard(model, mesh=mesh, mp_policy=mp)
+        fully_shard(layer, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
