@@ -316,7 +316,8 @@ def gpu_section(root: Path) -> str:
     first = runs[0][2]
     out = [f"Reproduce: `bash scripts/gpu_sweep.sh` (every variant below in one call) or `bash scripts/gpu_check.sh "
            "ARGS` (one; `make gpu-check GPU_CHECK_ARGS=...`) on a machine with a CUDA GPU; the JSONs are committed "
-           f"under `{GPU_RESULTS}/<commit>/`. {first['device_name']}, torch {first['torch']} (CUDA "
+           f"under `{GPU_RESULTS}/<commit>/`. Run on {', '.join(sorted({x['date'][:10] for _, _, x in runs}))}: "
+           f"{first['device_name']}, torch {first['torch']} (CUDA "
            f"{first['cuda']}), transformers {first['transformers']}, {first['dtype']}. A GLM-4-MoE "
            "(Glm4MoeForCausalLM) built on the GPU by recipe.model, random tokens; SFT: a plain AdamW loop, the "
            "first step (and compilation) left out; RL: the recipe's hf engine generates, its train_step (Muon + "
@@ -324,9 +325,10 @@ def gpu_section(root: Path) -> str:
            "left out. Trainer fsdp: FSDP2 mixed precision (float32 master weights, layers gathered in bf16) on a "
            "process group of one rank, as the production ranks train; autocast: float32 parameters under "
            "torch.autocast, as one process trains. MFU: 6 x active parameters x tokens / s over "
-           f"{first['peak_tflops']:g} TFLOP/s ({first['peak_tflops_source']}; one 8192^3 bf16 product measured "
-           f"{first['matmul_bf16_tflops']:.0f} TFLOP/s there); with attention: the causal attention scores' "
-           "FLOPs added (recipe/gpu_check.py).\n\n",
+           f"{first['peak_tflops']:g} TFLOP/s ({first['peak_tflops_source']}"
+           + (f"; one 8192^3 bf16 product measured {first['matmul_bf16_tflops']:.0f} TFLOP/s there"
+              if first.get("matmul_bf16_tflops") else "") +
+           "); with attention: the causal attention scores' FLOPs added (recipe/gpu_check.py).\n\n",
            "| commit | variant (ARGS) | model: params / active | trainer | compiled | SFT rows x tokens | "
            "SFT tokens/s | SFT MFU | with attention | optimizer s a step | RL generate tokens/s | RL train "
            "tokens/s | RL train MFU | publish + reload s | peak GiB |\n",
