@@ -1,4 +1,5 @@
-"""RESULTS.md, regenerated from runs/ only: every number on the page comes from a results.json a command wrote."""
+"""RESULTS.md, regenerated from runs/ and the GPU checks committed under results/gpu/ (a GPU machine's output, which
+no CPU run can remake): every number on the page comes from a JSON a command wrote."""
 from __future__ import annotations
 
 import json
