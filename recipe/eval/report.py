@@ -255,9 +255,7 @@ GPU_RESULTS = Path("results") / "gpu"  # committed: what the device machine's ch
 def gpu_runs(root: Path) -> list[tuple[str, str, dict]]:
     """(commit, variant, record) of every GPU check committed under results/gpu/<commit>/<variant>.json (what
     scripts/gpu_sweep.sh wrote on the device machine, copied there unchanged), by date."""
-    runs = []
-    for path in sorted((root / GPU_RESULTS).glob("*/*.json")):
-        runs.append((path.parent.name, path.stem, read_json(path)))
+    runs = [(path.parent.name, path.stem, read_json(path)) for path in (root / GPU_RESULTS).glob("*/*.json")]
     return sorted(runs, key=lambda r: (r[2].get("date", ""), r[1]))
 
 
