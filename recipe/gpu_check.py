@@ -61,7 +61,7 @@ import transformers
 
 from recipe.chat import SPECIAL_TOKENS, stop_token_ids
 from recipe.config import TinyArch, load_config
-from recipe.gpu_profile import profile_call
+from recipe.gpu_profile import profile_call, synced_clock as _now  # (the wall clock once the device is done)
 from recipe.inference.hf import HFEngine
 from recipe.model import build_tiny_model, build_tokenizer
 from recipe.rl.dist import World, decoder_layers, shard_model
@@ -151,14 +151,6 @@ def parse_args(argv=None):
     if args.out is None:
         args.out = str(Path(os.environ["OUT"]) / "gpu_check.json") if os.environ.get("OUT") else "gpu_check.json"
     return args
-
-
-def _now(device) -> float:
-    """The wall clock once the device has finished its queued work."""
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def active_params(model) -> tuple[int, int, int]:

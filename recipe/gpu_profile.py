@@ -27,7 +27,7 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, keys in KERNEL_KINDS if any(k in low for k in keys)), "other elementwise, reductions")
 
 
-def _synced_clock(device) -> float:
+def synced_clock(device) -> float:
     """The wall clock once the device has finished its queued work."""
     import torch
 
@@ -44,11 +44,11 @@ def profile_call(fn, device) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     on_gpu = device.type == "cuda"
-    t0 = _synced_clock(device)
+    t0 = synced_clock(device)
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])) as prof:
         fn()
-        _synced_clock(device)
-    wall = _synced_clock(device) - t0
+        synced_clock(device)
+    wall = synced_clock(device) - t0
     times: dict[str, float] = {}
     for e in prof.key_averages():
         if on_gpu and e.device_type != DeviceType.CUDA:
