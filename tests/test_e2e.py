@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# CI runs the tiny preset exactly as `make all` does (under 10 minutes on 2 cores): the thresholds below are
-# then the claims of RESULTS.md, not of a smaller stand-in.
+# CI runs the tiny preset exactly as `make all` does (8 to 12 minutes on 2 cores, by machine: README): the thresholds
+# below are then the claims of RESULTS.md, not of a smaller stand-in.
 CI_ARGS: list[str] = []
 
 pytestmark = pytest.mark.slow
