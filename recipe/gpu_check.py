@@ -61,7 +61,7 @@ import transformers
 
 from recipe.chat import SPECIAL_TOKENS, stop_token_ids
 from recipe.config import TinyArch, load_config
-from recipe.gpu_profile import profile_call, synced_clock as _now  # (the wall clock once the device is done)
+from recipe.gpu_profile import profile_call, synced_clock
 from recipe.inference.hf import HFEngine
 from recipe.model import build_tiny_model, build_tokenizer
 from recipe.rl.dist import World, decoder_layers, shard_model
@@ -205,10 +205,10 @@ def _matmul_tflops(device) -> float | None:
     b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
     for _ in range(3):
         a @ b
-    t0 = _now(device)
+    t0 = synced_clock(device)
     for _ in range(10):
         a @ b
-    dt = (_now(device) - t0) / 10
+    dt = (synced_clock(device) - t0) / 10
     del a, b
     torch.cuda.empty_cache()
     return 2 * 8192 ** 3 / dt / 1e12
@@ -301,22 +301,22 @@ def sft_phase(model, args, device, dtype, low: int, vocab: int, n_active: int) -
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        to = _now(device)
+        to = synced_clock(device)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        opt_s.append(_now(device) - to)
+        opt_s.append(synced_clock(device) - to)
         return float(loss.detach())
 
     for step in range(args.sft_steps + 1):  # step 0: warm-up (and compilation), untimed
         ids = torch.randint(low, vocab, (args.sft_batch, args.sft_seq), generator=gen).to(device)
-        ts = _now(device)
+        ts = synced_clock(device)
         if step == 1:
             t0 = ts
         losses.append(one_step(ids))  # (a sync: the step's time is all of it)
-        step_s.append(_now(device) - ts)
+        step_s.append(synced_clock(device) - ts)
         print(f"gpu_check: sft step {step}{' (warm-up)' if step == 0 else ''}: loss {losses[-1]:.4f}, "
               f"{step_s[-1]:.3f}s (optimizer {opt_s[-1]:.3f}s)", flush=True)
-    seconds = _now(device) - t0
+    seconds = synced_clock(device) - t0
     profiled = None
     if args.profile:  # one more step, untimed, under the profiler
         ids = torch.randint(low, vocab, (args.sft_batch, args.sft_seq), generator=gen).to(device)
@@ -362,9 +362,9 @@ def rl_phase(model, engine_model, tokenizer, args, device, dtype, world: World, 
         batch = [p for p in prompts for _ in range(args.rollouts)]
         params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=rl.temperature, top_p=1.0,
                                 seed=args.seed + 100_000 * s)
-        t0 = _now(device)
+        t0 = synced_clock(device)
         completions = engine.generate(batch, params)
-        t1 = _now(device)
+        t1 = synced_clock(device)
         gen_tokens = sum(len(c.token_ids) for c in completions)
         # a synthetic verifiable reward (the share of even token ids) and GRPO's group-relative advantage
         samples = []
@@ -379,21 +379,21 @@ def rl_phase(model, engine_model, tokenizer, args, device, dtype, world: World, 
             probe = (samples[0].prompt_ids + samples[0].completion_ids, len(samples[0].prompt_ids))
             probe_before = probe_logprob(engine.model, *probe, rl.temperature, device)
         train_tokens = sum(len(x.prompt_ids) + len(x.completion_ids) for x in samples)
-        t2 = _now(device)
+        t2 = synced_clock(device)
         stats = train_step(model, optimizer, schedulers, device, samples, rl, tokenizer.pad_token_id, world=world,
                            compute_dtype=compute_dtype)
-        t3 = _now(device)
+        t3 = synced_clock(device)
         with torch.no_grad():  # how much of what the engine serves this step moved (it holds the version before)
             served = engine.model.state_dict()
             trained = full_state_dict(model, world, dtype)
             moved = sum(int((trained[k].to(v.device) != v).sum()) for k, v in served.items())
             total = sum(v.numel() for v in served.values())
             del trained
-        t4 = _now(device)
+        t4 = synced_clock(device)
         path = publish_weights(model, work / "weights", s + 1, world=world, dtype=dtype)
-        t5 = _now(device)
+        t5 = synced_clock(device)
         engine.update_weights(path, s + 1)
-        t6 = _now(device)
+        t6 = synced_clock(device)
         step = {"step": s + 1, "samples": len(samples), "gen_tokens": gen_tokens, "gen_s": t1 - t0,
                 "train_tokens": train_tokens, "loss_tokens": stats["loss_tokens"], "train_s": t3 - t2,
                 "publish_s": t5 - t4, "reload_s": t6 - t5, "changed_fraction": moved / total,
@@ -425,9 +425,9 @@ def rl_phase(model, engine_model, tokenizer, args, device, dtype, world: World, 
         opt_time = []
 
         def timed_step(*a, **kw):
-            to = _now(device)
+            to = synced_clock(device)
             out = step_opt(*a, **kw)
-            opt_time.append(_now(device) - to)
+            opt_time.append(synced_clock(device) - to)
             return out
 
         optimizer.step = timed_step
@@ -530,9 +530,9 @@ def main(argv=None) -> int:
     world = World(device=device)
     try:
         result["matmul_bf16_tflops"] = _matmul_tflops(device)
-        t0 = _now(device)
+        t0 = synced_clock(device)
         model, tokenizer, arch = build(args, device)
-        result["build_s"] = _now(device) - t0
+        result["build_s"] = synced_clock(device) - t0
         total, n_active, embed = active_params(model)
         # random tokens above the special ones (which come first: recipe.model.build_tokenizer), so no prompt holds
         # a stop or pad token; a sampled completion may still stop early
