@@ -79,11 +79,26 @@ def test_the_token_counter_continues_across_a_resume(runs):
     assert cut[K + 1]["num_tokens"] > cut[K]["num_tokens"]
 
 
-def test_packed_batches_follow_padded_ones(tok, tmp_path):
+def test_packed_batches_follow_padded_ones(tok, tmp_path, monkeypatch):
     """rows_per_sequence=2: the same rows a step, two to a sequence. The loss of every step and the token count are
-    the padded run's (the same label tokens, each row seeing only itself), and the padding no more."""
+    the padded run's (the same label tokens, each row seeing only itself), and the padding no more. The packed run
+    attends row by row (sdpa_rows, at every layer of every step) and hands the model back with sdpa_gqa."""
+    from transformers import AttentionInterface
+
+    from recipe.model.attention import SDPA_GQA, SDPA_ROWS, sdpa_rows_attention
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs.get("position_ids") is not None and args[4] is None)  # rows from positions, no mask
+        return sdpa_rows_attention(*args, **kwargs)
+
+    monkeypatch.setitem(AttentionInterface._global_mapping, SDPA_ROWS, counted)
     padded = train(tok, tmp_path / "padded", 2 * K)
+    assert calls == []
     packed = train(tok, tmp_path / "packed", 2 * K, rows_per_sequence=2)
+    assert calls == [True] * (2 * K * ARCH.num_hidden_layers)
+    assert packed.config._attn_implementation == padded.config._attn_implementation == SDPA_GQA
     a, b = metrics(tmp_path / "padded"), metrics(tmp_path / "packed")
     assert [a[s]["num_tokens"] for s in a] == [b[s]["num_tokens"] for s in b]
     for s in a:

@@ -240,6 +240,73 @@ def test_the_models_attention_takes_grouped_heads_as_they_are_and_trains_as_stoc
         assert torch.allclose(a, b, atol=1e-6), name  # after the same optimizer step
 
 
+def packed_rows(lengths_per_sequence, width, seed=0):
+    """A packed batch as recipe.sft.PackedBatchCollator lays it out: rows end to end, positions restarting at each
+    row, the rest of a sequence a padding row of its own (out of the loss), no attention mask."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 64, (len(lengths_per_sequence), width), generator=g)
+    positions = torch.zeros_like(ids)
+    labels = ids.clone()
+    for s, lengths in enumerate(lengths_per_sequence):
+        at = 0
+        for n in lengths:
+            positions[s, at:at + n] = torch.arange(n)
+            at += n
+        positions[s, at:] = torch.arange(width - at)
+        labels[s, at:] = -100
+    labels[positions == 0] = -100
+    return {"input_ids": ids, "labels": labels, "position_ids": positions}
+
+
+def test_packed_rows_attend_within_themselves_with_the_loss_and_gradients_of_the_masked_sdpa():
+    """recipe.model.attention.sdpa_rows: on a packed batch each row attends to itself only, batched by length
+    (rows of 1 to 13 tokens in five calls, padding rows); the loss and gradients are those of
+    sdpa with transformers' block-diagonal mask, and the mask's absence matters (one long row differs)."""
+    from recipe.model.attention import SDPA_GQA, SDPA_ROWS, RowPlan
+
+    batch = packed_rows([[5, 1, 7, 3], [13, 2, 4], [6, 6, 6, 1], [2, 9]], width=20)
+    plan = RowPlan(batch["position_ids"], rows_per_call=4)
+    # 13 rows and 4 padding rows (4, 1, 1 and 9 long), longest first, 4 to a call
+    assert [rows for _, rows, _, _ in plan.calls] == [4, 4, 4, 4, 1]
+    assert [longest for _, _, longest, _ in plan.calls] == [13, 6, 4, 2, 1]
+    results = {}
+    for name in (SDPA_GQA, SDPA_ROWS):
+        model = tiny_model()
+        model.set_attn_implementation(name)
+        loss = model(**batch, use_cache=False).loss
+        loss.backward()
+        results[name] = loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    (masked, g_masked), (rows, g_rows) = results[SDPA_GQA], results[SDPA_ROWS]
+    assert abs(masked - rows) < 1e-6
+    assert g_masked.keys() == g_rows.keys()
+    for n, grad in g_masked.items():
+        torch.testing.assert_close(g_rows[n], grad, atol=1e-6, rtol=1e-5, msg=lambda m: f"{n}: {m}")
+    model = tiny_model()
+    model.set_attn_implementation(SDPA_ROWS)
+    with torch.no_grad():
+        whole = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss.item()
+    assert abs(whole - rows) > 1e-3  # without position ids a sequence is one row: its rows would see each other
+
+
+def test_packed_rows_attention_takes_a_padded_batch_as_sdpa_does():
+    """sdpa_rows with an attention mask (a padded batch, left-padded rows) and with a KV cache is sdpa_gqa."""
+    from recipe.model.attention import SDPA_GQA, SDPA_ROWS
+
+    ids = torch.tensor([[1, 1, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    out = {}
+    for name in (SDPA_GQA, SDPA_ROWS):
+        model = tiny_model().eval()
+        model.set_attn_implementation(name)
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            gen = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                 pad_token_id=1)
+        out[name] = logits, gen
+    torch.testing.assert_close(out[SDPA_ROWS][0], out[SDPA_GQA][0], atol=1e-6, rtol=0)
+    assert torch.equal(out[SDPA_ROWS][1], out[SDPA_GQA][1])
+
+
 def test_shared_prompts_take_the_unshared_step_with_each_prompt_run_once():
     """rl.share_prompts: a group's samples share their prompt, whose forward runs once a step (keys, values and
     last logits read by every completion); the loss, gradient and step are those of running every sample whole.

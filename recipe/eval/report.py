@@ -154,7 +154,8 @@ def sft_bench_section(cfg) -> str:
            "arm's figures are the mean of its runs. Tokens/s: trained tokens a step (padding left out) over the "
            "median step time (the first step left out). Packed: each batch's rows laid end to end, "
            f"{arms['packed']['rows_per_sequence']} to a sequence, positions restarting at each row "
-           "(recipe.sft.PackedBatchCollator). Commit "
+           "(recipe.sft.PackedBatchCollator), each row attending within itself (sdpa_rows, "
+           "recipe.model.attention). Commit "
            f"{_commit(prov)}, {prov['hardware']['cpus']} CPUs, load "
            f"{loads} at the runs' starts.\n\n",
            "| batches | rows a sequence | padding | tokens/s | s a step | vs padded | forward+backward s | "

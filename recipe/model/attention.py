@@ -9,9 +9,12 @@ tests/test_trainer.py). Other devices go to transformers' own sdpa unchanged.
 
 Models load with it wherever the config says sdpa (recipe.model.load_pretrained, build_tiny_model); the name is not
 saved with the model, so a saved folder loads anywhere with the stock sdpa.
+
+sdpa_rows (below): the attention of packed SFT batches, each row within itself.
 """
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -39,3 +42,86 @@ AttentionMaskInterface.register(SDPA_GQA, sdpa_mask)
 def implementation(name: str) -> str:
     """The attention a model is loaded with for the config's `name`: sdpa_gqa for sdpa, others as they are."""
     return SDPA_GQA if name == "sdpa" else name
+
+
+# Packed training rows (recipe.sft.PackedBatchCollator: several rows end to end in a sequence, positions restarting
+# at each row, no attention mask). Through sdpa they need a block-diagonal mask, and a masked sdpa computes every
+# block of the whole sequence; here each row attends within itself only, causal and unmasked, the rows batched
+# by length (ROWS_PER_CALL to a call, padded at the right to the longest: a causal row never sees the padding
+# after it). Same loss and gradients up to float rounding (tests/test_trainer.py); about 10% off a packed tiny SFT
+# step on 2 CPU threads (docs/performance.md). Training forwards only: with a mask or a KV cache it is sdpa_gqa.
+SDPA_ROWS = "sdpa_rows"
+ROWS_PER_CALL = 8
+
+
+class RowPlan:
+    """Where the rows of a packed (batch, length) position-id tensor lie, and how they are batched: for each call
+    the flat token index of every (row, column) slot (a padding slot repeats its row's last token) and the slots
+    that are real tokens; `inverse` puts the calls' real tokens back in the packed order."""
+
+    def __init__(self, position_ids: torch.Tensor, rows_per_call: int = ROWS_PER_CALL):
+        batch, width = position_ids.shape
+        first = (position_ids == 0).reshape(-1).cpu()
+        first[::width] = True  # a sequence's first token starts a row whatever its position
+        starts = first.nonzero().flatten()
+        ends = torch.minimum(torch.cat([starts[1:], torch.tensor([batch * width])]), (starts // width + 1) * width)
+        lengths = ends - starts
+        order = torch.argsort(lengths, descending=True, stable=True)
+        device = position_ids.device
+        self.calls, real = [], []
+        for at in range(0, len(order), rows_per_call):
+            rows = order[at:at + rows_per_call]
+            longest = int(lengths[rows].max())
+            column = torch.arange(longest)
+            slots = (starts[rows, None] + torch.minimum(column, lengths[rows, None] - 1)).flatten()
+            is_real = (column < lengths[rows, None]).flatten()
+            self.calls.append((slots.to(device), len(rows), longest, is_real.nonzero().flatten().to(device)))
+            real.append(slots[is_real])
+        packed = torch.cat(real)
+        self.inverse = torch.empty_like(packed)
+        self.inverse[packed] = torch.arange(len(packed))
+        self.inverse = self.inverse.to(device)
+
+
+def _row_plan(position_ids: torch.Tensor) -> RowPlan:
+    # every layer of one forward gets the same position-id tensor: the plan is made once, and lives with it
+    plan = getattr(position_ids, "_row_plan", None)
+    if plan is None:
+        plan = RowPlan(position_ids)
+        position_ids._row_plan = plan
+    return plan
+
+
+def sdpa_rows_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                        position_ids=None, **kwargs):
+    if attention_mask is not None or position_ids is None or query.shape[2] != key.shape[2]:
+        return sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+    batch, heads, width, dim = query.shape
+    kv_heads = key.shape[1]
+    if position_ids.shape[0] != batch:  # the model's own positions, one row for the whole batch
+        position_ids = position_ids.expand(batch, -1)
+    plan = _row_plan(position_ids)
+    q = query.transpose(1, 2).reshape(batch * width, heads, dim)
+    k = key.transpose(1, 2).reshape(batch * width, kv_heads, dim)
+    v = value.transpose(1, 2).reshape(batch * width, kv_heads, dim)
+    outs = []
+    for slots, rows, longest, is_real in plan.calls:
+        def take(t, h):
+            return t.index_select(0, slots).view(rows, longest, h, dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(take(q, heads), take(k, kv_heads), take(v, kv_heads),
+                                             dropout_p=dropout, scale=scaling, is_causal=True,
+                                             enable_gqa=kv_heads != heads)
+        outs.append(out.transpose(1, 2).reshape(rows * longest, heads, dim).index_select(0, is_real))
+    return torch.cat(outs).index_select(0, plan.inverse).view(batch, width, heads, dim), None
+
+
+def rows_mask(batch_size, q_length, kv_length, *args, attention_mask=None, **kwargs):
+    """No mask for a training forward without one (the rows come from the position ids); sdpa's otherwise."""
+    if attention_mask is None and q_length == kv_length:
+        return None
+    return sdpa_mask(batch_size, q_length, kv_length, *args, attention_mask=attention_mask, **kwargs)
+
+
+AttentionInterface.register(SDPA_ROWS, sdpa_rows_attention)
+AttentionMaskInterface.register(SDPA_ROWS, rows_mask)

@@ -29,6 +29,7 @@ from trl.data_utils import common_prefix_length
 from recipe.chat import ENV_REPLY, messages, template_tools
 from recipe.cores import ThreadGovernor
 from recipe.errors import ConfigError, DataError, StageError
+from recipe.model.attention import SDPA_GQA, SDPA_ROWS
 from recipe.rl.dist import World
 from recipe.runs import STOP, MetricsLog, safetensors_problem, torch_save_problem
 from recipe.tracking import TrainerTracking
@@ -266,9 +267,10 @@ def per_device_batch(train_cfg, key: str, ranks: int) -> int:
 
 class PackedBatchCollator:
     """A batch of tokenized rows as batch/rows_per_sequence sequences, each holding several rows end to end with
-    positions restarting at every row, and no attention mask: transformers then builds a block-diagonal causal mask
-    from the position ids (sdpa, eager; flash-attention reads them as varlen boundaries), so a row attends to itself
-    only and its loss is what it is in a padded batch. The step trains the same rows on the same label tokens as a
+    positions restarting at every row, and no attention mask: the rows are read from the position ids (sdpa: the
+    model trains with recipe.model.attention's sdpa_rows, a call per 8 rows of about one length; eager: a
+    block-diagonal mask; flash-attention: varlen boundaries), so a row attends to itself only and its loss is what
+    it is in a padded batch. The step trains the same rows on the same label tokens as a
     padded batch; only the padding goes (the longest-first fill below leaves about 2% at 4 rows a sequence on the
     tiny chat rows, against a third padded).
 
@@ -378,11 +380,17 @@ def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_
         if train_cfg.rows_per_sequence > 1:
             pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
             collator = PackedBatchCollator(pad, train_cfg.rows_per_sequence)
+            if model.config._attn_implementation == SDPA_GQA:  # each row attends within itself, unmasked
+                model.set_attn_implementation(SDPA_ROWS)
         trainer = ResumingSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                                      data_collator=collator, callbacks=callbacks + tracking.callbacks,
                                      group_by_length=train_cfg.group_by_length)
-        with STOP.cooperative():
-            trainer.train(resume_from_checkpoint=last)
+        try:
+            with STOP.cooperative():
+                trainer.train(resume_from_checkpoint=last)
+        finally:  # the model leaves as it came (sdpa_rows is for packed training batches only)
+            if model.config._attn_implementation == SDPA_ROWS:
+                model.set_attn_implementation(SDPA_GQA)
     # a collective: every rank has finished its part of the last save before rank 0 looks at the checkpoints
     stop = world.any(STOP.requested)
     # Then a barrier, so that no rank leaves right after that all-reduce. gloo's worker thread releases a finished
