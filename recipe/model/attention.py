@@ -63,9 +63,8 @@ class RowPlan:
         batch, width = position_ids.shape
         first = (position_ids == 0).reshape(-1).cpu()
         first[::width] = True  # a sequence's first token starts a row whatever its position
-        starts = first.nonzero().flatten()
-        ends = torch.minimum(torch.cat([starts[1:], torch.tensor([batch * width])]), (starts // width + 1) * width)
-        lengths = ends - starts
+        starts = first.nonzero().flatten()  # a row ends where the next starts (every sequence start is one)
+        lengths = torch.cat([starts[1:], torch.tensor([batch * width])]) - starts
         order = torch.argsort(lengths, descending=True, stable=True)
         device = position_ids.device
         self.calls, real = [], []
@@ -107,10 +106,9 @@ def sdpa_rows_attention(module, query, key, value, attention_mask, dropout=0.0, 
     v = value.transpose(1, 2).reshape(batch * width, kv_heads, dim)
     outs = []
     for slots, rows, longest, is_real in plan.calls:
-        def take(t, h):
-            return t.index_select(0, slots).view(rows, longest, h, dim).transpose(1, 2)
-        out = F.scaled_dot_product_attention(take(q, heads), take(k, kv_heads), take(v, kv_heads),
-                                             dropout_p=dropout, scale=scaling, is_causal=True,
+        # (rows, heads, longest, dim) of each: the call's rows, padded at the right
+        qc, kc, vc = (t.index_select(0, slots).view(rows, longest, t.shape[1], dim).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(qc, kc, vc, dropout_p=dropout, scale=scaling, is_causal=True,
                                              enable_gqa=kv_heads != heads)
         outs.append(out.transpose(1, 2).reshape(rows * longest, heads, dim).index_select(0, is_real))
     return torch.cat(outs).index_select(0, plan.inverse).view(batch, width, heads, dim), None
