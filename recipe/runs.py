@@ -12,6 +12,7 @@ at its next safe point (RL and SFT: after the current step, with a checkpoint) w
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import errno
@@ -515,6 +516,11 @@ def stage_argv() -> list[str]:
     return sys.argv[1:] if argv is None else argv
 
 
+def launched() -> bool:
+    """Whether a launcher (torchrun, accelerate launch) started this process as one rank of several."""
+    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def stage_main(fn):
     """Entry-point wrapper: the recipe's errors become one clear line on stderr and exit code 2; SIGTERM and
     SIGINT stop the stage with one line and exit code 128 + signal (see StopRequest). A full disk (or quota, or
@@ -575,4 +581,39 @@ def stage_main(fn):
             _STAGE_ARGV.reset(called_with)
             STOP.reset()  # a stop request belongs to this stage: work run later in this process must not see it
 
-    return main
+    def entry(argv=None):
+        if argv is None and launched():  # the command line of one rank of several
+            leave_rank(lambda: main(argv))
+        return main(argv)
+
+    return entry
+
+
+def leave_rank(body: Callable[[], object]):
+    """Run body() (a torchrun rank's whole command) and end the process with its exit code, without interpreter
+    finalization: stdout and stderr flushed and atexit handlers run first, then os._exit.
+
+    Why: a process that trained can deadlock in interpreter finalization, when native threads (autograd's,
+    gloo's) release the Python objects they hold while the interpreter tears down the GIL (pytorch/pytorch#190489,
+    open). The rank then never exits, and torchrun SIGKILLs it 30 s later ("Unable to shutdown process"): seen
+    once in a SIGTERM stop of 2 SFT ranks on a loaded 2-core machine, after both ranks had said they stopped. By
+    the time body() returns, everything a stage keeps is on disk (written aside and renamed, metrics fsynced),
+    so nothing is left for finalization to do. Exit codes are Python's: 0, SystemExit's code (a text printed,
+    1), or 1 after the traceback of an exception nobody caught."""
+    try:
+        body()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    try:
+        atexit._run_exitfuncs()  # what registered for exit (a tracker's upload) still runs
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)

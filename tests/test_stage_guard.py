@@ -102,6 +102,65 @@ def test_a_stages_last_line_is_one_write_so_that_ranks_sharing_stderr_do_not_int
     assert (tmp_path / "stderr").read_text().endswith("newline" + ours[-1].decode())
 
 
+# a rank's stage command: a thread nobody joins blocks interpreter finalization, as the teardown deadlock of
+# pytorch/pytorch#190489 does (torchrun SIGKILLs such a rank 30 s after its SIGTERM)
+RANK_STAGE = """
+import atexit, os, sys, threading
+from recipe.errors import StageError
+from recipe.runs import Stopped, stage_main
+threading.Thread(target=threading.Event().wait, name="never-ends").start()
+atexit.register(lambda: open("atexit", "w").write("atexit ran"))
+
+@stage_main
+def stage(cfg):
+    print("the stage's last output", end="")  # buffered: the exit must flush it
+    how = os.environ["HOW"]
+    if how == "stop":
+        raise Stopped(15, "the next run resumes")
+    if how == "refused":
+        raise StageError("refused")
+    if how == "crash":
+        raise RuntimeError("a bug")
+
+stage(None if os.environ["CALL"] == "cli" else sys.argv[1:])  # the command line, or main(argv)
+open("returned", "w").close()
+"""
+
+
+@pytest.mark.parametrize("how, code", [("done", 0), ("stop", 143), ("refused", 2), ("crash", 1)])
+def test_a_rank_leaves_with_its_exit_code_without_waiting_on_interpreter_teardown(tmp_path, how, code):
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "PYTHONPATH": str(ROOT), "CALL": "cli",
+           "HOW": how}
+    marker = tmp_path / "atexit"
+    out = subprocess.run([sys.executable, "-c", RANK_STAGE, f"run_root={tmp_path}"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == code, out.stderr[-2000:]
+    assert out.stdout == "the stage's last output"
+    assert marker.read_text() == "atexit ran"
+    assert not (tmp_path / "returned").exists()  # the process ended inside the stage's entry point
+    assert {"stop": "stopped by SIGTERM; the next run resumes", "refused": "error: refused",
+            "crash": "RuntimeError: a bug", "done": ""}[how] in out.stderr
+
+
+def test_a_stage_called_from_python_or_as_one_process_is_left_to_the_interpreter(tmp_path):
+    """The same script where leave_rank does not apply (one process, or main(argv) from Python under a rank's
+    environment): finalization waits on the thread, as Python does."""
+    for env in [{"CALL": "cli"}, {"RANK": "1", "WORLD_SIZE": "2", "CALL": "python"}]:
+        (tmp_path / "returned").unlink(missing_ok=True)
+        proc = subprocess.Popen([sys.executable, "-c", RANK_STAGE, f"run_root={tmp_path}"], cwd=tmp_path,
+                                env={**os.environ, **env, "HOW": "done", "PYTHONPATH": str(ROOT)},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            deadline = time.time() + 60
+            while not (tmp_path / "returned").exists() and time.time() < deadline and proc.poll() is None:
+                time.sleep(0.05)
+            time.sleep(1)
+            assert (tmp_path / "returned").exists() and proc.poll() is None, env  # the caller went on, then waits
+        finally:
+            proc.kill()
+            proc.wait()
+
+
 def test_eval_refuses_a_checkpoint_made_under_another_config(cfg_factory):
     from recipe.eval.models import model_for
 

@@ -20,11 +20,6 @@ from recipe.runs import Stage, require_done
 INFERENCE_URLS_ENV = "RECIPE_INFERENCE_URLS"
 
 
-def launched() -> bool:
-    """Whether a launcher (torchrun, accelerate launch) started this process as one rank of several."""
-    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
 def torchrun_command(module: str, num_processes: int, argv: list[str], python: str | None = None) -> list[str]:
     """The command that starts `num_processes` ranks of `module` on this machine with the same overrides."""
     return [python or sys.executable, "-m", "torch.distributed.run", "--standalone",

@@ -19,10 +19,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from recipe.errors import ConfigError
-from recipe.launch.roles import launched, relaunch
+from recipe.launch.roles import relaunch
 from recipe.model import load_pretrained
 from recipe.model_card import write_card
-from recipe.runs import Stage, stage_dir
+from recipe.runs import Stage, launched, stage_dir
 
 
 @dataclass(frozen=True)
