@@ -322,6 +322,12 @@ class RLConfig:
     # online filter: drop groups whose rewards are all equal (no signal). prime-rl's production run had none
     # (its buffer filter is commented out at PR 1272): such groups stay in the batch with advantage 0
     online_filter: bool = True
+    # difficulty pools (prime-rl's difficulty-pool buffer with easy_fraction = hard_fraction = 0): a prompt whose
+    # group's mean reward came out above easy_border (below hard_border) is not drawn again, so that the engine
+    # stops spending samples on what already has no signal. null: off (prime-rl's production run: the [buffer]
+    # section of configs/int3/prod/orch.toml is commented out)
+    easy_border: Optional[float] = None
+    hard_border: Optional[float] = None
     # the offline pass-rate filter is data.max_pass_rate, applied by `make data`: RL trains on the rl split as is
     # prompt + completion of a sample never exceed this (prime-rl's seq_len): a request asks for at most
     # min(max_new_tokens, context - tokens so far) new tokens, the context being the least of the model's, the
@@ -559,6 +565,8 @@ RANGES: dict[str, Range] = {
     "rl.batch_size": AT_LEAST_1,
     "rl.rollouts_per_example": Range(2),  # one rollout a prompt has no group to compare with: every group is flat
     "rl.max_new_tokens": AT_LEAST_1,
+    "rl.easy_border": SHARE,  # rewards are shares of 1 (code's partial credit too)
+    "rl.hard_border": SHARE,
     "rl.temperature": POSITIVE,  # the trainer divides the logits by it; no greedy RL
     "rl.lr": POSITIVE,
     "rl.warmup_steps": AT_LEAST_0,

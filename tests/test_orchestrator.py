@@ -159,6 +159,58 @@ def test_state_round_trip_resumes_the_same_prompt_stream():
     assert stream(make(), later) != rest_a  # without the state, the stream would start over
 
 
+def test_prompts_retired_as_easy_or_hard_are_not_drawn_again_and_the_pools_survive_a_resume():
+    # problems 0-4 always right (mean 1: easy), 5-9 always wrong (mean 0: hard), the rest 1 sample in 4 right
+    fn = answer_by_index(lambda i: {0, 1, 2, 3} if i < 5 else set() if i < 10 else {0})
+
+    def drawn(orch, batches):  # every problem a group was drawn for, filtered ones too (level 0: one batch a call)
+        out = []
+        for _ in range(batches):
+            orch.next_batch(0)
+        for r in orch.engine.log:
+            out.append(int("".join(map(chr, r.prompt_ids)).split("<user>")[1].split("<")[0][1:]))
+        return out[::4]
+
+    class Logged(ScriptedEngine):
+        def __init__(self, f):
+            super().__init__(f)
+            self.log = []
+
+        def submit(self, requests):
+            self.log.extend(requests)
+            super().submit(requests)
+
+    def make(**kw):
+        return Orchestrator(math_rows(), CharTokenizer(), rl_cfg(max_async_level=0, **kw), Logged(fn), seed=0)
+
+    plain = drawn(make(), 12)  # 24 groups with signal: several epochs over the 20 problems
+    assert sum(p < 10 for p in plain[20:]) >= 5  # without pools the flat problems come back every epoch
+    pools = make(easy_border=0.9, hard_border=0.1)
+    seen = drawn(pools, 12)
+    first = {}
+    for k, p in enumerate(seen):
+        first.setdefault(p, k)
+    assert all(k == first[p] for k, p in enumerate(seen) if p < 10)  # each flat problem drawn once, never again
+    assert set(pools.retired) == {f"q{i}" for i in range(10) if i in first}
+    assert {pools.retired[f"q{i}"] for i in range(5) if i in first} <= {"easy"}
+    assert {pools.retired[f"q{i}"] for i in range(5, 10) if i in first} <= {"hard"}
+    assert pools.counters["draws_skipped_easy"] + pools.counters["draws_skipped_hard"] > 0
+    # only the easy pool: the always-wrong problems come back
+    easy_only = drawn(make(easy_border=0.9), 12)
+    assert sum(p < 5 for p in easy_only) == len({p for p in easy_only if p < 5})
+    assert sum(5 <= p < 10 for p in easy_only) > len({p for p in easy_only if 5 <= p < 10})
+    # the pools are part of the state: a resumed orchestrator passes over the same prompts
+    state = json.loads(json.dumps(pools.state_dict()))
+    again = make(easy_border=0.9, hard_border=0.1)
+    again.load_state_dict(state)
+    assert again.retired == pools.retired
+    assert drawn(again, 4) == drawn(pools, 4)[len(seen):]
+    # every prompt retired: drawing goes on over them rather than stopping
+    everything = make(easy_border=0.9, hard_border=0.1)
+    everything.retired = {f"q{i}": "easy" for i in range(20)}
+    assert len(everything.next_batch(0)[0]) == 2 * 4
+
+
 def test_more_groups_are_kept_in_flight_when_many_come_back_filtered():
     with_signal = ScriptedEngine(answer_by_index(lambda i: {0}), batch=4)
     # three problems in four are answered right by every sample: their groups carry no signal

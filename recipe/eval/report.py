@@ -188,7 +188,10 @@ def trl_bench_section(cfg) -> str:
            "(the kernel's peak). Held-out: avg@"
            f"{cfg.eval.samples} of the final policy on the same environments. Not equal by design: here groups "
            "with equal rewards are filtered out and replaced (TRL trains them, at zero advantage: hence *trained* "
-           "completions, with generated ones beside), generation runs one step ahead (TRL is on-policy) in a "
+           "completions, with generated ones beside)"
+           + (f" and a prompt whose group's mean reward came out above rl.easy_border ({cfg.rl.easy_border:g}) is "
+              "not drawn again (TRL draws every prompt of an epoch)" if cfg.rl.easy_border is not None else "")
+           + ", generation runs one step ahead (TRL is on-policy) in a "
            "process of its own on one core (TRL generates in-process on both); here a group's prompt is computed "
            "once for its samples, in the engine's prefill and the trainer's forward and backward (TRL computes it "
            "for every sample; the same gradient either way). Both arms run the same model code, "
@@ -554,7 +557,10 @@ def rl_summary(rl: list[dict]) -> str:
     return (f"\nRL ({len(rl)} steps, mean {step_s:.2f} s a step after the first): {total('tool_calls')} tool "
             f"calls answered, {total('masked_samples')} samples masked (a sandbox or tool failure), "
             f"{total('reward_errors')} reward-function errors, {total('filtered_groups')} groups filtered out "
-            f"(all rewards equal), {total('stale_groups')} dropped as stale.\n" + judge + rl_profile(rl))
+            f"(all rewards equal), {total('stale_groups')} dropped as stale"
+            + (f", {total('skipped_easy')} draws passed over a prompt retired as easy and {total('skipped_hard')} "
+               "over one retired as hard (rl.easy_border, rl.hard_border)" if any("skipped_easy" in r for r in rl)
+               else "") + ".\n" + judge + rl_profile(rl))
 
 
 def rl_profile(rl: list[dict]) -> str:

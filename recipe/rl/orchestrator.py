@@ -140,6 +140,7 @@ class Orchestrator:
         self.cursor = {e: 0 for e in self.rows}
         self.order = {e: self._shuffled(e, 0) for e in self.rows}
         self.epoch = {e: 0 for e in self.rows}
+        self.retired: dict[str, str] = {}  # row id -> easy or hard (rl.easy_border, rl.hard_border)
         self.next_gid = 0
         self.next_rid = 0
         self.inflight: dict[int, Group] = {}
@@ -169,6 +170,16 @@ class Orchestrator:
 
     def _next_row(self) -> dict:
         env = self.rng.choices([e for e, _ in self.mix], weights=[w for _, w in self.mix])[0]
+        rows = self.rows[env]
+        # a retired prompt is passed over; when every prompt of the environment is retired, the next one is drawn
+        for _ in range(len(rows)):
+            row = self._advance(env)
+            if row["id"] not in self.retired:
+                return row
+            self.counters[f"draws_skipped_{self.retired[row['id']]}"] += 1
+        return row
+
+    def _advance(self, env: str) -> dict:
         if self.cursor[env] >= len(self.order[env]):  # a new epoch over this environment's prompts
             self.epoch[env] += 1
             self.order[env] = self._shuffled(env, self.epoch[env])
@@ -180,7 +191,8 @@ class Orchestrator:
     def state_dict(self) -> dict:
         with self._cv:
             return {"cursor": self.cursor, "epoch": self.epoch, "rng": self.rng.getstate(),
-                    "next_gid": self.next_gid, "counters": dict(self.counters), "filter_rate": self.filter_rate}
+                    "next_gid": self.next_gid, "counters": dict(self.counters), "filter_rate": self.filter_rate,
+                    "retired": dict(self.retired)}
 
     def load_state_dict(self, state: dict) -> None:
         self.cursor, self.epoch = dict(state["cursor"]), dict(state["epoch"])
@@ -191,6 +203,7 @@ class Orchestrator:
         self.counters = Counter(state["counters"])
         self._counters_at_last_batch = Counter(self.counters)
         self.filter_rate = state.get("filter_rate", 0.0)
+        self.retired = dict(state.get("retired", {}))
 
     # -- scheduling ----------------------------------------------------------------------------------------
     def _params(self, gid: int, prompt_len: int) -> SamplingParams:
@@ -360,6 +373,12 @@ class Orchestrator:
             group.rewards.append(res.reward)
             group.masked.append(res.masked)
         judged = [r for r, m in zip(group.rewards, group.masked) if not m]
+        if judged:  # the prompt's difficulty pool, as its group's mean reward says (prime-rl: the mean too)
+            mean = sum(judged) / len(judged)
+            if self.cfg.easy_border is not None and mean > self.cfg.easy_border:
+                self.retired[group.row["id"]] = "easy"
+            elif self.cfg.hard_border is not None and mean < self.cfg.hard_border:
+                self.retired[group.row["id"]] = "hard"
         flat = len(set(judged)) <= 1
         if flat:
             self.counters["groups_without_signal"] += 1
@@ -501,6 +520,9 @@ class Orchestrator:
             "filtered_all_correct": delta["filtered_all_correct"],
             "filtered_all_wrong": delta["filtered_all_wrong"],
             "groups_without_signal": delta["groups_without_signal"],  # filtered or (no online filter) kept
+            # draws that passed over a prompt retired as easy or hard (rl.easy_border, rl.hard_border)
+            "skipped_easy": delta["draws_skipped_easy"],
+            "skipped_hard": delta["draws_skipped_hard"],
             "stale_groups": delta["groups_stale"],
             "cancelled_requests": delta["requests_cancelled"],
             # prime_rl: groups cancelled in flight for living through too many weight updates, and the new groups
