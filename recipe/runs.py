@@ -604,9 +604,10 @@ def leave_rank(body: Callable[[], object]):
         body()
         code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        if not isinstance(e.code, int) and e.code is not None:
-            print(e.code, file=sys.stderr)
+        code = 0 if e.code is None else e.code
+        if not isinstance(code, int):  # sys.exit("text"): printed, exit code 1
+            print(code, file=sys.stderr)
+            code = 1
     except BaseException:
         sys.excepthook(*sys.exc_info())
         code = 1
