@@ -284,6 +284,8 @@ class RLConfig:
     optimizer: OptimizerKind = OptimizerKind.adamw
     lr: float = 2e-4
     warmup_steps: int = 0  # linear warmup, then constant (INTELLECT-3 ran a constant LR)
+    decay_steps: int = 0  # > 0: the LR falls linearly over the run's last decay_steps steps, to lr * min_lr_share
+    min_lr_share: float = 0.0
     weight_decay: float = 0.01
     # rl.optimizer=muon (recipe.rl.muon): momentum, and whether the update direction is the Nesterov one
     muon_momentum: float = 0.95
@@ -570,6 +572,8 @@ RANGES: dict[str, Range] = {
     "rl.temperature": POSITIVE,  # the trainer divides the logits by it; no greedy RL
     "rl.lr": POSITIVE,
     "rl.warmup_steps": AT_LEAST_0,
+    "rl.decay_steps": AT_LEAST_0,
+    "rl.min_lr_share": SHARE,
     "rl.weight_decay": AT_LEAST_0,
     "rl.muon_momentum": Range(0, 1, high_open=True),
     "rl.adam_beta1": Range(0, 1, high_open=True),

@@ -194,7 +194,10 @@ def test_prompts_retired_as_easy_or_hard_are_not_drawn_again_and_the_pools_survi
     assert set(pools.retired) == {f"q{i}" for i in range(10) if i in first}
     assert {pools.retired[f"q{i}"] for i in range(5) if i in first} <= {"easy"}
     assert {pools.retired[f"q{i}"] for i in range(5, 10) if i in first} <= {"hard"}
-    assert pools.counters["draws_skipped_easy"] + pools.counters["draws_skipped_hard"] > 0
+    # the counters (metrics retired_easy / retired_hard) count prompts, each once
+    for pool in ("easy", "hard"):
+        assert pools.counters[f"prompts_retired_{pool}"] == sum(v == pool for v in pools.retired.values())
+    assert len(pools.retired) > 0
     # only the easy pool: the always-wrong problems come back
     easy_only = drawn(make(easy_border=0.9), 12)
     assert sum(p < 5 for p in easy_only) == len({p for p in easy_only if p < 5})

@@ -558,10 +558,8 @@ def rl_summary(rl: list[dict]) -> str:
             f"calls answered, {total('masked_samples')} samples masked (a sandbox or tool failure), "
             f"{total('reward_errors')} reward-function errors, {total('filtered_groups')} groups filtered out "
             f"(all rewards equal), {total('stale_groups')} dropped as stale"
-            + (f"; a draw passed over a prompt retired as easy {total('skipped_easy')} times and over one retired "
-               f"as hard {total('skipped_hard')} times (rl.easy_border, rl.hard_border: once an environment's "
-               "prompts are mostly retired, one draw passes over several)" if any("skipped_easy" in r for r in rl)
-               else "") + ".\n" + judge + rl_profile(rl))
+            + (f"; {total('retired_easy')} prompts retired as easy and {total('retired_hard')} as hard, not drawn "
+               "again (rl.easy_border, rl.hard_border)" if any("retired_easy" in r for r in rl) else "") + ".\n" + judge + rl_profile(rl))
 
 
 def rl_profile(rl: list[dict]) -> str:

@@ -82,7 +82,7 @@ def _rl_loop(cfg, stage_dir, start_model, world: World, tracker: Tracker):
                                     cfg.model.attn_implementation, rl.activation_checkpointing)
     compute = getattr(torch, cfg.model.dtype)  # the engines' and the forward's dtype; the parameters are float32
     optimizer = build_optimizer(model, rl)  # after sharding: under FSDP2 the parameters are the sharded ones
-    schedulers = build_scheduler(optimizer, rl.warmup_steps)
+    schedulers = build_scheduler(optimizer, rl.warmup_steps, rl.decay_steps, rl.max_steps, rl.min_lr_share)
     ckpt_root, weights_dir = stage_dir / "checkpoints", stage_dir / "weights"
     step, orch_state = 0, None
     # rank 0 alone looks (latest_checkpoint removes a damaged one) and names the one every rank loads

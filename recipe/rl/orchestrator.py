@@ -176,7 +176,6 @@ class Orchestrator:
             row = self._advance(env)
             if row["id"] not in self.retired:
                 return row
-            self.counters[f"draws_skipped_{self.retired[row['id']]}"] += 1
         return row
 
     def _advance(self, env: str) -> dict:
@@ -375,10 +374,12 @@ class Orchestrator:
         judged = [r for r, m in zip(group.rewards, group.masked) if not m]
         if judged:  # the prompt's difficulty pool, as its group's mean reward says (prime-rl: the mean too)
             mean = sum(judged) / len(judged)
-            if self.cfg.easy_border is not None and mean > self.cfg.easy_border:
-                self.retired[group.row["id"]] = "easy"
-            elif self.cfg.hard_border is not None and mean < self.cfg.hard_border:
-                self.retired[group.row["id"]] = "hard"
+            pool = ("easy" if self.cfg.easy_border is not None and mean > self.cfg.easy_border else
+                    "hard" if self.cfg.hard_border is not None and mean < self.cfg.hard_border else None)
+            if pool and group.row["id"] not in self.retired:
+                self.counters[f"prompts_retired_{pool}"] += 1
+            if pool:
+                self.retired[group.row["id"]] = pool
         flat = len(set(judged)) <= 1
         if flat:
             self.counters["groups_without_signal"] += 1
@@ -520,9 +521,9 @@ class Orchestrator:
             "filtered_all_correct": delta["filtered_all_correct"],
             "filtered_all_wrong": delta["filtered_all_wrong"],
             "groups_without_signal": delta["groups_without_signal"],  # filtered or (no online filter) kept
-            # draws that passed over a prompt retired as easy or hard (rl.easy_border, rl.hard_border)
-            "skipped_easy": delta["draws_skipped_easy"],
-            "skipped_hard": delta["draws_skipped_hard"],
+            # prompts retired as easy or hard (rl.easy_border, rl.hard_border) since the last batch: never drawn again
+            "retired_easy": delta["prompts_retired_easy"],
+            "retired_hard": delta["prompts_retired_hard"],
             "stale_groups": delta["groups_stale"],
             "cancelled_requests": delta["requests_cancelled"],
             # prime_rl: groups cancelled in flight for living through too many weight updates, and the new groups

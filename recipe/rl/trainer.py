@@ -104,9 +104,17 @@ def build_optimizer(model, rl_cfg):
     return CombinedOptimizer(optimizers)
 
 
-def build_scheduler(optimizer: CombinedOptimizer, warmup_steps: int):
-    """Linear warmup to the configured LR, then constant; one LambdaLR per inner optimizer."""
+def build_scheduler(optimizer: CombinedOptimizer, warmup_steps: int, decay_steps: int = 0, max_steps: int = 0,
+                    min_lr_share: float = 0.0):
+    """Linear warmup to the configured LR, constant, then (decay_steps > 0) a linear decay over the run's last
+    decay_steps steps to min_lr_share of it, reached at its last step (prime-rl's linear scheduler,
+    trainer/scheduler.py); one LambdaLR per inner optimizer. Its step count is checkpointed with it."""
+    decay_start = max_steps - decay_steps
+
     def factor(step: int) -> float:
+        if decay_steps > 0 and step >= decay_start:
+            done = min(1.0, (step - decay_start) / max(1, decay_steps - 1))
+            return 1.0 - (1.0 - min_lr_share) * done
         return min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
 
     return [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in optimizer.optimizers]
