@@ -786,6 +786,9 @@ def validate(cfg) -> None:
     if bad_k:
         _fail(f"eval.pass_k={list(cfg.eval.pass_k)} must lie in 1..eval.samples ({cfg.eval.samples}): "
               f"pass@k needs k samples a problem")
+    if cfg.rl.warmup_steps + cfg.rl.decay_steps > cfg.rl.max_steps:
+        _fail(f"rl.warmup_steps ({cfg.rl.warmup_steps}) + rl.decay_steps ({cfg.rl.decay_steps}) must be <= "
+              f"rl.max_steps ({cfg.rl.max_steps}): the decay takes the run's last steps, after the warmup")
     if cfg.rl.max_off_policy_steps < cfg.rl.max_async_level:
         _fail(f"rl.max_off_policy_steps ({cfg.rl.max_off_policy_steps}) must be >= rl.max_async_level "
               f"({cfg.rl.max_async_level}): the engine would cancel requests the trainer may still take")

@@ -2,6 +2,7 @@
 (Several ranks: tests/test_distributed.py.)"""
 import copy
 
+import pytest
 import torch
 
 from recipe.config import RLConfig, TinyArch
@@ -85,6 +86,39 @@ def test_a_step_changes_weights_and_checkpoint_round_trip_is_exact(tmp_path):
         train_step(model2, opt2, sch2, CPU, samples(), cfg, pad_id=1)
         for k, v in model.state_dict().items():
             assert torch.allclose(v, model2.state_dict()[k], atol=1e-6), (name, k)
+
+
+def test_the_lr_warms_up_stays_and_decays_linearly_over_the_last_steps_and_a_restored_schedule_goes_on():
+    def lrs(opt, sch, steps):
+        out = []
+        for _ in range(steps):
+            out.append([g["lr"] for o in opt.optimizers for g in o.param_groups])
+            opt.step()
+            for s in sch:
+                s.step()
+        return out
+
+    cfg = RLConfig(optimizer="muon", lr=1e-3)
+    opt = build_optimizer(tiny_model(), cfg)
+    seen = lrs(opt, build_scheduler(opt, warmup_steps=2, decay_steps=4, max_steps=10, min_lr_share=0.1), 10)
+    assert all(len(set(step)) == 1 for step in seen)  # Muon's and AdamW's groups alike
+    got = [step[0] for step in seen]
+    want = [5e-4, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 7e-4, 4e-4, 1e-4]  # the last step at lr * min_lr_share
+    assert got == pytest.approx(want)
+    opt = build_optimizer(tiny_model(), cfg)
+    assert [s[0] for s in lrs(opt, build_scheduler(opt, 0), 3)] == pytest.approx([1e-3] * 3)  # constant: no decay
+    # a schedule restored from its state (a resumed run) goes on where it was
+    opt = build_optimizer(tiny_model(), cfg)
+    sch = build_scheduler(opt, 2, 4, 10, 0.1)
+    lrs(opt, sch, 7)
+    state = [s.state_dict() for s in sch]
+    opt2 = build_optimizer(tiny_model(), cfg)
+    sch2 = build_scheduler(opt2, 2, 4, 10, 0.1)
+    for o2, o in zip(opt2.optimizers, opt.optimizers):  # as load_checkpoint: the optimizer's state holds its lr
+        o2.load_state_dict(o.state_dict())
+    for s, st in zip(sch2, state):
+        s.load_state_dict(st)
+    assert [s[0] for s in lrs(opt2, sch2, 3)] == pytest.approx(want[7:])
 
 
 def test_only_the_newest_checkpoints_are_kept(tmp_path):
