@@ -92,7 +92,7 @@ soak: sft
 	$(RUN) recipe.rl.soak $(OVERRIDES)
 
 test: setup
-	$(PY) -m pytest -q -x tests
+	$(PY) -m pytest -q -x --durations=15 tests
 
 test-fast: setup
 	$(PY) -m pytest -q -x -m "not slow" tests
