@@ -559,7 +559,8 @@ def rl_summary(rl: list[dict]) -> str:
             f"{total('reward_errors')} reward-function errors, {total('filtered_groups')} groups filtered out "
             f"(all rewards equal), {total('stale_groups')} dropped as stale"
             + (f"; {total('retired_easy')} prompts retired as easy and {total('retired_hard')} as hard, not drawn "
-               "again (rl.easy_border, rl.hard_border)" if any("retired_easy" in r for r in rl) else "") + ".\n" + judge + rl_profile(rl))
+               "again (rl.easy_border, rl.hard_border)" if any("retired_easy" in r for r in rl) else "")
+            + ".\n" + judge + rl_profile(rl))
 
 
 def rl_profile(rl: list[dict]) -> str:

@@ -376,9 +376,9 @@ class Orchestrator:
             mean = sum(judged) / len(judged)
             pool = ("easy" if self.cfg.easy_border is not None and mean > self.cfg.easy_border else
                     "hard" if self.cfg.hard_border is not None and mean < self.cfg.hard_border else None)
-            if pool and group.row["id"] not in self.retired:
-                self.counters[f"prompts_retired_{pool}"] += 1
             if pool:
+                if group.row["id"] not in self.retired:  # counted once, however often it is judged again
+                    self.counters[f"prompts_retired_{pool}"] += 1
                 self.retired[group.row["id"]] = pool
         flat = len(set(judged)) <= 1
         if flat:
@@ -521,7 +521,7 @@ class Orchestrator:
             "filtered_all_correct": delta["filtered_all_correct"],
             "filtered_all_wrong": delta["filtered_all_wrong"],
             "groups_without_signal": delta["groups_without_signal"],  # filtered or (no online filter) kept
-            # prompts retired as easy or hard (rl.easy_border, rl.hard_border) since the last batch: never drawn again
+            # prompts retired as easy or hard (rl.easy_border, rl.hard_border) since the last batch: passed over after
             "retired_easy": delta["prompts_retired_easy"],
             "retired_hard": delta["prompts_retired_hard"],
             "stale_groups": delta["groups_stale"],
