@@ -67,7 +67,7 @@ from recipe.model import build_tiny_model, build_tokenizer
 from recipe.rl.dist import World, decoder_layers, shard_model
 from recipe.rl.loss import completion_logprobs
 from recipe.rl.orchestrator import Sample
-from recipe.rl.trainer import build_optimizer, build_scheduler, full_state_dict, publish_weights, train_step
+from recipe.rl.trainer import build_optimizer, full_state_dict, publish_weights, scheduler_for, train_step
 from recipe.rollout import SamplingParams
 
 H200_PEAK_BF16_TFLOPS = 989.0  # dense bf16, H100/H200 SXM datasheet (989.4); no sparsity
@@ -354,7 +354,7 @@ def rl_phase(model, engine_model, tokenizer, args, device, dtype, world: World, 
     compute_dtype = None if world.distributed else dtype
     engine = HFEngine(engine_model, tokenizer, stop_token_ids(tokenizer), batch_size=args.gen_batch)
     optimizer = build_optimizer(model, rl)
-    schedulers = build_scheduler(optimizer, rl.warmup_steps)
+    schedulers = scheduler_for(optimizer, rl)
     gen = torch.Generator().manual_seed(args.seed + 1)
     steps, probe = [], None
     for s in range(args.rl_steps):

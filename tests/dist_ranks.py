@@ -22,7 +22,7 @@ from recipe.envs.math import MathEnv  # noqa: E402
 from recipe.model import load_pretrained  # noqa: E402
 from recipe.rl.dist import World, close_world, init_world, load_sharded, split_by_tokens  # noqa: E402
 from recipe.rl.orchestrator import Sample  # noqa: E402
-from recipe.rl.trainer import (build_optimizer, build_scheduler, full_state_dict, load_checkpoint,  # noqa: E402
+from recipe.rl.trainer import (build_optimizer, scheduler_for, full_state_dict, load_checkpoint,  # noqa: E402
                                publish_weights, save_checkpoint, train_step)
 
 # warmup 2: the learning rate differs between the first two steps, so a resume must restore the schedulers too;
@@ -55,7 +55,7 @@ def trainer(start: Path, optimizer: str, world: World, replicas: int = 1):
     model, tok = load_sharded(start, world, replicas, "float32", "sdpa")
     cfg = RLConfig(optimizer=optimizer, **RL_CFG)
     opt = build_optimizer(model, cfg)
-    return model, opt, build_scheduler(opt, cfg.warmup_steps), cfg, tok
+    return model, opt, scheduler_for(opt, cfg), cfg, tok
 
 
 def step(model, opt, sch, cfg, batch, world: World, pad_id: int) -> dict:

@@ -8,7 +8,7 @@ import torch
 from recipe.config import RLConfig, TinyArch
 from recipe.rl.orchestrator import Sample
 from recipe.rl.trainer import (build_optimizer, build_scheduler, checkpoint_model_state, latest_checkpoint,
-                               load_checkpoint, save_checkpoint, train_step)
+                               load_checkpoint, save_checkpoint, scheduler_for, train_step)
 
 CPU = torch.device("cpu")
 
@@ -98,9 +98,10 @@ def test_the_lr_warms_up_stays_and_decays_linearly_over_the_last_steps_and_a_res
                 s.step()
         return out
 
-    cfg = RLConfig(optimizer="muon", lr=1e-3)
+    # as the RL stage and the GPU check build it: from the config's schedule keys
+    cfg = RLConfig(optimizer="muon", lr=1e-3, warmup_steps=2, decay_steps=4, max_steps=10, min_lr_share=0.1)
     opt = build_optimizer(tiny_model(), cfg)
-    seen = lrs(opt, build_scheduler(opt, warmup_steps=2, decay_steps=4, max_steps=10, min_lr_share=0.1), 10)
+    seen = lrs(opt, scheduler_for(opt, cfg), 10)
     assert all(len(set(step)) == 1 for step in seen)  # Muon's and AdamW's groups alike
     got = [step[0] for step in seen]
     want = [5e-4, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 1e-3, 7e-4, 4e-4, 1e-4]  # the last step at lr * min_lr_share

@@ -28,7 +28,7 @@ from recipe.launch.roles import INFERENCE_URLS_ENV
 from recipe.rl import eval_during
 from recipe.rl.dist import World, load_sharded, split_by_tokens
 from recipe.rl.orchestrator import Orchestrator
-from recipe.rl.trainer import (build_optimizer, build_scheduler, full_state_dict, latest_checkpoint,
+from recipe.rl.trainer import (build_optimizer, scheduler_for, full_state_dict, latest_checkpoint,
                                load_checkpoint, publish_weights, save_checkpoint, train_step)
 from recipe.runs import STOP, MetricsLog, release_free_memory, require_done
 from recipe.sandbox.runner import run_on_cores
@@ -82,7 +82,7 @@ def _rl_loop(cfg, stage_dir, start_model, world: World, tracker: Tracker):
                                     cfg.model.attn_implementation, rl.activation_checkpointing)
     compute = getattr(torch, cfg.model.dtype)  # the engines' and the forward's dtype; the parameters are float32
     optimizer = build_optimizer(model, rl)  # after sharding: under FSDP2 the parameters are the sharded ones
-    schedulers = build_scheduler(optimizer, rl.warmup_steps, rl.decay_steps, rl.max_steps, rl.min_lr_share)
+    schedulers = scheduler_for(optimizer, rl)
     ckpt_root, weights_dir = stage_dir / "checkpoints", stage_dir / "weights"
     step, orch_state = 0, None
     # rank 0 alone looks (latest_checkpoint removes a damaged one) and names the one every rank loads

@@ -120,6 +120,11 @@ def build_scheduler(optimizer: CombinedOptimizer, warmup_steps: int, decay_steps
     return [torch.optim.lr_scheduler.LambdaLR(o, factor) for o in optimizer.optimizers]
 
 
+def scheduler_for(optimizer: CombinedOptimizer, rl_cfg):
+    """The schedule an RL config asks for (rl.warmup_steps, rl.decay_steps, rl.max_steps, rl.min_lr_share)."""
+    return build_scheduler(optimizer, rl_cfg.warmup_steps, rl_cfg.decay_steps, rl_cfg.max_steps, rl_cfg.min_lr_share)
+
+
 def _pad(seqs: list[list], value) -> torch.Tensor:
     width = max(len(s) for s in seqs)
     return torch.tensor([list(s) + [value] * (width - len(s)) for s in seqs])
