@@ -248,6 +248,9 @@ class TrainConfig:
     logging_steps: int = 10
     bf16: bool = False
     gradient_checkpointing: bool = False
+    # TRL's fused LM head (log-probs in vocabulary tiles, never the whole logits: for a large vocabulary); false:
+    # the same loss from the plain logits (recipe.sft.ResumingSFTTrainer.compute_loss), cheaper for a small one
+    fused_lm_head: bool = True
     threads: int = 2
     # one process on CPU: fewer threads while other processes keep cores busy, `threads` at most (recipe.cores;
     # with one of 2 cores taken, 2 threads trained x3 slower than 1)
@@ -1039,6 +1042,8 @@ def config_hash(cfg, keys: List[str] | None = None) -> str:
             data[key].pop("bench_steps", None)  # read by `make bench-sft` alone
             if data[key].get("rows_per_sequence") == 1:
                 data[key].pop("rows_per_sequence")  # one row a sequence, as before the field: the hash stays
+            if data[key].get("fused_lm_head") is True:
+                data[key].pop("fused_lm_head")  # TRL's head, as before the field: the hash stays
     if keys is not None:
         data = {k: data[k] for k in keys}
     blob = json.dumps(data, sort_keys=True).encode()

@@ -391,6 +391,55 @@ def test_packed_batches_train_the_same_tokens_as_padded_ones(tiny):
     assert abs(float(c) - float(b)) > 1e-3
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_plain_head_trains_with_trls_loss_gradient_and_metrics(tiny, tmp_path, monkeypatch, packed):
+    """sft.fused_lm_head=false (ResumingSFTTrainer.compute_loss): the loss, every gradient and the logged entropy,
+    token accuracy and token count of TRL's fused head, to float rounding, from the plain logits; TRL's tiled
+    kernel is not called (it is what made the step slower)."""
+    import copy
+
+    import torch
+    import trl.trainer.utils as trl_utils
+    from trl import SFTConfig
+    from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
+
+    from recipe.model import build_tiny_model
+    from recipe.sft import PackedBatchCollator, ResumingSFTTrainer, chat_dataset
+
+    cfg, tok, rows = tiny
+    data = chat_dataset(rows, tok)
+    model = build_tiny_model(cfg.model.tiny, tok)
+    args = SFTConfig(output_dir=str(tmp_path), max_length=1024, use_cpu=True, report_to="none", bf16=False,
+                     dataloader_num_workers=0)
+    runs = {}
+    for fused in (True, False):
+        trainer = ResumingSFTTrainer(model=copy.deepcopy(model), args=args, train_dataset=data,
+                                     processing_class=tok, fused_lm_head=fused)
+        examples = [{"input_ids": r["input_ids"], "labels": r["labels"]} for r in trainer.train_dataset][:16]
+        batch = PackedBatchCollator(tok.pad_token_id, 4)(examples) if packed else \
+            DataCollatorForLanguageModeling(pad_token_id=tok.pad_token_id)(examples)
+        batch.pop("real_tokens", None)
+        tiles = []
+        real_apply = trl_utils._ChunkedLogProbFunction.apply
+        monkeypatch.setattr(trl_utils._ChunkedLogProbFunction, "apply",
+                            lambda *a, _f=real_apply: tiles.append(1) or _f(*a))
+        trainer.model.train()
+        n = int((batch["labels"][:, 1:] != -100).sum())
+        loss = trainer.compute_loss(trainer.model, dict(batch), num_items_in_batch=n)
+        loss.backward()
+        monkeypatch.undo()
+        assert bool(tiles) == fused
+        metrics = trainer._metrics["train"]
+        runs[fused] = (loss.detach(), {k: p.grad for k, p in trainer.model.named_parameters()},
+                       metrics["entropy"][-1], metrics["mean_token_accuracy"][-1], metrics["num_tokens"][-1])
+    (loss_f, grads_f, *logged_f), (loss_p, grads_p, *logged_p) = runs[True], runs[False]
+    torch.testing.assert_close(loss_p, loss_f, atol=1e-5, rtol=1e-5)
+    for k in grads_f:
+        torch.testing.assert_close(grads_p[k], grads_f[k], atol=1e-5, rtol=1e-4, msg=k)
+    assert logged_p == pytest.approx(logged_f, abs=1e-5)
+    assert 0 <= logged_p[1] <= 1 and logged_p[0] > 0 and logged_p[2] > 0  # accuracy, entropy, tokens
+
+
 def test_rows_per_sequence_is_checked():
     from recipe.config import TrainConfig, load_config
     from recipe.errors import ConfigError

@@ -198,9 +198,44 @@ class ResumingSFTTrainer(SFTTrainer):
     include_num_input_tokens_seen is off), and a resume starts the counter from there.
     """
 
-    def __init__(self, *args, group_by_length: bool = False, **kwargs):
+    def __init__(self, *args, group_by_length: bool = False, fused_lm_head: bool = True, **kwargs):
         self.group_by_length = group_by_length
+        self.fused_lm_head = fused_lm_head
         super().__init__(*args, **kwargs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """fused_lm_head=False: the same loss (the summed log-probability of the label tokens over their count) and
+        metrics as TRL's, from the model's plain logits. TRL's fused head exists not to hold the (tokens, vocab)
+        logits of a large vocabulary; without its Triton kernel (the CPU) it scores every position in vocabulary
+        tiles and projects them again in backward, which for the tiny model's 512 tokens cost 12% of a step's
+        forward and backward (docs/performance.md). Any other loss TRL offers goes to TRL."""
+        if (self.fused_lm_head or return_outputs or self.aux_loss_enabled or self.compute_loss_func is not None
+                or self.label_smoother is not None or self.args.loss_type != "nll"):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        labels = inputs["labels"][:, 1:]
+        logits = model(**{k: v for k, v in inputs.items() if k != "labels"}, use_cache=False).logits[:, :-1]
+        mask = labels != -100
+        scored = logits[mask].float()
+        log_probs = torch.log_softmax(scored, dim=-1)
+        target = labels[mask]
+        count = mask.sum() if num_items_in_batch is None else num_items_in_batch
+        loss = -log_probs.gather(-1, target[:, None]).sum() / torch.as_tensor(count).clamp(min=1)
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * self.accelerator.num_processes  # DDP averages the gradients of the ranks (as TRL)
+        with torch.no_grad():
+            gather = self.accelerator.gather_for_metrics
+            valid = gather(mask.sum()).sum()
+            entropy = gather(-(log_probs.exp() * log_probs).sum()).sum()
+            correct = gather((scored.argmax(-1) == target).sum()).sum()
+            metrics = self._metrics["train" if model.training else "eval"]
+            metrics["entropy"].append((entropy / valid).item() if valid > 0 else 0.0)
+            metrics["mean_token_accuracy"].append((correct / valid).item() if valid > 0 else 0.0)
+            if model.training:  # as TRL (PackedBatchCollator's batches are counted again by training_step)
+                seen = inputs["attention_mask"].sum() if "attention_mask" in inputs else \
+                    torch.tensor(inputs["position_ids"].size(1), device=labels.device)
+                self._total_train_tokens += gather(seen).sum().item() // self._tp_size
+            metrics["num_tokens"] = [self._total_train_tokens]
+        return loss
 
     def _get_train_sampler(self, train_dataset=None):
         """group_by_length: the whole run's row order (length_grouped_order) as one epoch of max_steps global
@@ -384,7 +419,8 @@ def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_
                 model.set_attn_implementation(SDPA_ROWS)
         trainer = ResumingSFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                                      data_collator=collator, callbacks=callbacks + tracking.callbacks,
-                                     group_by_length=train_cfg.group_by_length)
+                                     group_by_length=train_cfg.group_by_length,
+                                     fused_lm_head=train_cfg.fused_lm_head)
         try:
             with STOP.cooperative():
                 trainer.train(resume_from_checkpoint=last)
