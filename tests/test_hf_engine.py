@@ -63,6 +63,32 @@ def test_sampled_logprobs_match_an_uncached_forward_of_each_sequence(engine):
         assert not any(t in engine.stop_ids for t in c.token_ids[:-1])
 
 
+def test_a_decode_steps_attention_is_sdpas_for_each_mask_and_a_row_with_nothing_to_attend_stays_finite():
+    """sdpa_gqa takes one query a row (a decode step) as two matrix products; the keys are a strided view, as the
+    engine's buffers give them."""
+    import torch.nn.functional as F
+
+    from recipe.model.attention import sdpa_gqa_attention
+
+    torch.manual_seed(0)
+    rows, heads, kv_heads, dim, length = 6, 4, 2, 8, 11
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = heads // kv_heads, True
+    query = torch.randn(rows, 1, heads, dim).transpose(1, 2)  # as the model hands it: a transposed view
+    keys = torch.randn(rows, kv_heads, length + 5, dim)[:, :, 2:2 + length]
+    values = torch.randn(rows, kv_heads, length + 5, dim)[:, :, 2:2 + length]
+    allowed = torch.rand(rows, 1, 1, length) > 0.4
+    allowed[:, ..., -1] = True
+    additive = torch.zeros(rows, 1, 1, length).masked_fill(~allowed, float("-inf"))
+    for mask in (allowed, additive, None):
+        ours, _ = sdpa_gqa_attention(module, query, keys, values, mask, scaling=0.3)
+        ref = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=0.3, enable_gqa=True)
+        assert ours.shape == (rows, 1, heads, dim)
+        torch.testing.assert_close(ours, ref.transpose(1, 2), atol=1e-6, rtol=0)
+    allowed[0] = False  # a row with nothing to attend (a slot no row uses)
+    assert torch.isfinite(sdpa_gqa_attention(module, query, keys, values, allowed)[0]).all()
+
+
 def test_greedy_equals_transformers_generate(engine):
     reference = stock(engine)
     for p in prompts(engine):

@@ -28,11 +28,33 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     if query.device.type != "cpu" or getattr(module, "num_key_value_groups", 1) == 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
+    if query.shape[2] == 1 and (attention_mask is None or attention_mask.shape[1] == 1) and not dropout:
+        return _decode_attention(query, key, value, attention_mask, scaling), None
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                          scale=scaling, enable_gqa=True,
                                          is_causal=query.shape[2] > 1 and attention_mask is None and causal)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _decode_attention(query, key, value, attention_mask, scaling):
+    """One new token a row against its KV cache, as two batched matrix products and a softmax. torch's CPU sdpa
+    (flash kernel or math path) takes 2-3 times as long for a single query with a mask: its blocking and mask
+    handling are built for long queries. The query heads that share a key/value head go in one product, so the
+    cache is read as it lies (a strided view of the engine's buffers), never copied."""
+    rows, heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)  # head h reads key/value head h // groups
+    scores = torch.matmul(grouped, key.transpose(-1, -2)) * (dim ** -0.5 if scaling is None else scaling)
+    if attention_mask is not None:
+        mask = attention_mask  # (rows or 1, 1, 1, kv): broadcast over the heads
+        if mask.dtype == torch.bool:  # the finite minimum, not -inf: a row with nothing to attend stays finite
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
+    out = torch.matmul(weights, value)  # (rows, kv_heads, groups, dim)
+    return out.reshape(rows, 1, heads, dim)  # (rows, query, heads, dim), as the callers take it
 
 
 AttentionInterface.register(SDPA_GQA, sdpa_gqa_attention)
