@@ -500,8 +500,8 @@ CASES = [
     config_case("rl.max_off_policy_steps=0", "error: config error: rl.max_off_policy_steps (0) must be >= "
                                              "rl.max_async_level (1): the engine would cancel requests the trainer "
                                              "may still take"),
-    config_case("rl.decay_steps=101", "error: config error: rl.warmup_steps (0) + rl.decay_steps (101) must be <= "
-                                      "rl.max_steps (100): the decay takes the run's last steps, after the warmup"),
+    config_case("rl.decay_steps=91", "error: config error: rl.warmup_steps (0) + rl.decay_steps (91) must be <= "
+                                     "rl.max_steps (90): the decay takes the run's last steps, after the warmup"),
     config_case("rl.vllm_port=70000", "error: config error: rl.vllm_port must be an integer in [1, 65535], "
                                       "got 70000"),
     config_case("seed=-1", "error: config error: seed must be an integer >= 0, got -1"),
