@@ -38,10 +38,10 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, s
 
 
 def _decode_attention(query, key, value, attention_mask, scaling):
-    """One new token a row against its KV cache, as two batched matrix products and a softmax. torch's CPU sdpa
-    (flash kernel or math path) takes 2-3 times as long for a single query with a mask: its blocking and mask
-    handling are built for long queries. The query heads that share a key/value head go in one product, so the
-    cache is read as it lies (a strided view of the engine's buffers), never copied."""
+    """One new token a row against its KV cache, as two batched matrix products and a softmax: torch's CPU sdpa
+    kernel, built for long queries, cost more for a single masked query (a 128-row decode step of the tiny model
+    about 9% less this way, docs/performance.md). The query heads that share a key/value head go in one product,
+    so the cache is read as it lies (a strided view of the engine's buffers), never copied."""
     rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)  # head h reads key/value head h // groups
