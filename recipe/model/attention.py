@@ -46,12 +46,11 @@ def _decode_attention(query, key, value, attention_mask, scaling):
     kv_heads = key.shape[1]
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)  # head h reads key/value head h // groups
     scores = torch.matmul(grouped, key.transpose(-1, -2)) * (dim ** -0.5 if scaling is None else scaling)
-    if attention_mask is not None:
-        mask = attention_mask  # (rows or 1, 1, 1, kv): broadcast over the heads
-        if mask.dtype == torch.bool:  # the finite minimum, not -inf: a row with nothing to attend stays finite
-            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    if attention_mask is not None:  # (rows or 1, 1, 1, kv): broadcast over the heads
+        if attention_mask.dtype == torch.bool:  # the finite minimum, not -inf: an all-masked row stays finite
+            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
         else:
-            scores = scores + mask
+            scores = scores + attention_mask
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     out = torch.matmul(weights, value)  # (rows, kv_heads, groups, dim)
     return out.reshape(rows, 1, heads, dim)  # (rows, query, heads, dim), as the callers take it
