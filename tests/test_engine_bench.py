@@ -83,12 +83,18 @@ def test_bench_times_each_size_once_a_round(engine, monkeypatch):
     costs = bench.decode_step_costs
 
     def logged(eng, rows, *a, **k):
-        order.append(rows)
+        order.append((rows, eng.written_out_decode))
         return costs(eng, rows, *a, **k)
 
     monkeypatch.setattr(bench, "decode_step_costs", logged)
+    assert engine.written_out_decode
     out = bench.bench(engine, [1, 8, 16], rounds=2, steps=3, warmup=1)
-    assert order == [1, 8, 16, 1, 8, 16]
+    # each size through the written-out step and transformers' forward, the order swapped the next round
+    assert order == [(1, True), (1, False), (8, True), (8, False), (16, True), (16, False),
+                     (1, False), (1, True), (8, False), (8, True), (16, False), (16, True)]
+    assert engine.written_out_decode and out["decode"] == "written_out"
+    assert set(out["transformers_cpu_ms"]) == {"1", "8", "16"}
+    assert all(len(v) == 2 and min(v) > 0 for v in out["transformers_cpu_ms"].values())
     assert set(out["cpu_ms"]) == set(out["wall_ms"]) == {"1", "8", "16"}
     assert all(len(v) == 2 and min(v) > 0 for v in out["cpu_ms"].values())
     medians = [(r, v) for r in (1, 8, 16) for v in out["cpu_ms"][str(r)]]
@@ -116,6 +122,10 @@ def test_make_bench_engine_writes_its_figures_and_the_report_section(tmp_path, m
     assert "| rows | 1 | 8 | 16 |" in section
     assert "| ms of CPU a step | " + " | ".join(" / ".join(f"{v:.2f}" for v in out["cpu_ms"][r])
                                              for r in ("1", "8", "16")) + " |" in section
+    assert "| ms of CPU a step, transformers' forward | " + " | ".join(
+        " / ".join(f"{v:.2f}" for v in out["transformers_cpu_ms"][r]) for r in ("1", "8", "16")) + " |" in section
+    gain = sum(out["transformers_cpu_ms"]["16"]) / sum(out["cpu_ms"]["16"])
+    assert f"at 16 rows transformers' forward takes **x{gain:.2f}** the CPU a step" in section
 
 
 def test_make_bench_engine_refuses_a_preset_without_the_hf_engine(tmp_path, capsys):

@@ -291,3 +291,40 @@ def test_an_engine_without_its_model_fails_to_start_naming_the_path(tmp_path, en
     while {p.pid for p in mp.active_children()} - before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not {p.pid for p in mp.active_children()} - before
+
+
+def test_waiting_requests_join_a_running_batch_together_not_one_prefill_for_each_free_row():
+    """joining_now: with a batch of 128, requests wait until a quarter of it (32 rows) is free or all of them fit,
+    then every one that fits joins, in order, while it shares the batch's sampling settings."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from recipe.inference.worker import joining_now
+
+    engine = SimpleNamespace(batch_size=128)
+    engine.should_admit = lambda running, waiting: HFEngine.should_admit(engine, running, waiting)
+    hot, cold = SamplingParams(temperature=1.0, max_new_tokens=8), SamplingParams(temperature=0.0, max_new_tokens=8)
+
+    class Batch:
+        def __init__(self, running):
+            self.running = running
+
+        def __len__(self):
+            return self.running
+
+        def accepts(self, params):
+            return params.temperature == hot.temperature
+
+    def queue(n, params=hot, first=0):
+        return deque(Request(id=first + i, prompt_ids=[1, 2], params=params, submitted_version=0) for i in range(n))
+
+    pending = queue(8)
+    assert joining_now(engine, Batch(125), pending) == [] and len(pending) == 8  # 3 free rows: wait
+    assert [r.id for r in joining_now(engine, Batch(120), pending)] == list(range(8)) and not pending  # all fit
+    pending = queue(40)
+    assert joining_now(engine, Batch(100), pending) == []  # 28 free, fewer than 32 and than the 40 waiting
+    assert [r.id for r in joining_now(engine, Batch(96), pending)] == list(range(32)) and len(pending) == 8
+    assert len(joining_now(engine, Batch(0), queue(200))) == 128  # an empty batch fills up at once
+    pending = queue(3) + queue(2, cold, first=3) + queue(2, first=5)
+    assert [r.id for r in joining_now(engine, Batch(10), pending)] == [0, 1, 2]  # up to another setting
+    assert [r.id for r in pending] == [3, 4, 5, 6]

@@ -274,3 +274,90 @@ def test_rows_that_join_a_running_batch_take_free_slots_in_place_and_each_gets_w
         assert out[i].token_ids == alone.token_ids
         ref = full_forward_logprobs(reference, p, out[i].token_ids, 1.0)
         assert torch.allclose(ref, torch.tensor(out[i].logprobs), atol=1e-4)
+
+
+def _glm_variant(tok, dtype=torch.float32, **arch):
+    """A small Glm4MoeForCausalLM with every bias and the router's correction bias random (built ones are zero)."""
+    from transformers import Glm4MoeForCausalLM
+
+    from recipe.model import glm4moe_config
+    from recipe.model.attention import implementation
+
+    fields = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, moe_intermediate_size=32, n_routed_experts=8,
+                  num_experts_per_tok=3, first_k_dense_replace=1, partial_rotary_factor=0.5, rope_theta=10000.0,
+                  attention_bias=True, max_position_embeddings=256, vocab_size=len(tok))
+    fields.update(arch)
+    torch.manual_seed(3)
+    model = Glm4MoeForCausalLM(glm4moe_config(TinyArch(**{k: v for k, v in fields.items() if hasattr(TinyArch, k)}),
+                                              **{k: v for k, v in fields.items() if not hasattr(TinyArch, k)},
+                                              pad_token_id=tok.pad_token_id, eos_token_id=stop_token_ids(tok)))
+    model.set_attn_implementation(implementation("sdpa"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.normal_(mean=1.0 if "norm" in name else 0.0, std=0.1)
+        for layer in model.model.layers[1:]:
+            layer.mlp.gate.weight.normal_(std=0.3)
+            layer.mlp.gate.e_score_correction_bias.normal_(std=0.1)
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("variant", [
+    {},  # the recipe's layout: one expert group, normalised weights
+    {"n_group": 2, "topk_group": 1, "norm_topk_prob": False, "routed_scaling_factor": 2.5, "use_qk_norm": True},
+    {"dtype": torch.bfloat16},
+])
+def test_the_written_out_decode_step_gives_transformers_logits_and_cache(engine, variant):
+    """recipe.inference.glm4moe_step against transformers' forward of the same model, one decode step of rows of
+    different lengths on the engine's buffers: the same logits and the same keys and values written."""
+    from recipe.inference import glm4moe_step
+    from recipe.inference.hf import DecodeBatch
+
+    variant = dict(variant)
+    dtype = variant.pop("dtype", torch.float32)
+    model = _glm_variant(engine.tokenizer, dtype, **variant)
+    assert glm4moe_step.supported(model)
+    fast = HFEngine(model, engine.tokenizer, engine.stop_ids, batch_size=16)
+    assert fast.written_out_decode
+    ps = [p + p[: i % 4] for i, p in enumerate(prompts(engine) * 2)]
+    params = [SamplingParams(max_new_tokens=12, temperature=1.0, seed=40 + i) for i in range(len(ps))]
+    caches = []
+    for written in (True, False):
+        fast.written_out_decode = written
+        batch = DecodeBatch(fast, params[0])
+        batch.admit(list(range(len(ps))), ps, params)
+        for _ in range(3):
+            batch.step()
+        caches.append(([layer.keys.clone() for layer in batch.cache.layers], batch.logits.clone()))
+    (keys_w, logits_w), (keys_t, logits_t) = caches
+    tol = {"atol": 1e-5, "rtol": 0} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(logits_w, logits_t, **tol)
+    for a, b in zip(keys_w, keys_t):
+        torch.testing.assert_close(a, b, **tol)
+    fast.written_out_decode = True
+    out = fast.generate_each(ps, params)
+    fast.written_out_decode = False
+    ref = fast.generate_each(ps, params)
+    if dtype == torch.float32:  # bf16 rounding may flip a sample: the logits' closeness above is its check
+        assert [c.token_ids for c in out] == [c.token_ids for c in ref]
+        for a, b in zip(out, ref):
+            torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0)
+
+
+def test_the_engine_keeps_transformers_decode_for_a_model_the_written_out_step_does_not_cover(engine):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from recipe.inference import glm4moe_step
+
+    qwen = Qwen3ForCausalLM(Qwen3Config(vocab_size=len(engine.tokenizer), hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                        head_dim=16, pad_token_id=engine.pad_id))
+    other = HFEngine(qwen, engine.tokenizer, engine.stop_ids, batch_size=4)
+    assert not other.written_out_decode
+    out = other.generate(prompts(engine)[:2], SamplingParams(max_new_tokens=4, temperature=1.0, seed=1))
+    assert all(len(c.token_ids) >= 1 for c in out)
+    glm = copy.deepcopy(engine.model)
+    glm.config.rope_parameters = {**glm.config.rope_parameters, "rope_type": "linear", "factor": 2.0}
+    assert not glm4moe_step.supported(glm)
+    assert glm4moe_step.supported(engine.model) and engine.written_out_decode

@@ -250,7 +250,25 @@ def engine_section(cfg) -> str:
             "| rows | " + " | ".join(map(str, rows)) + " |\n"
             "|---|" + "---|" * len(rows) + "\n"
             f"| ms of CPU a step | {cells('cpu_ms')} |\n"
-            f"| ms of wall time a step | {cells('wall_ms')} |\n")
+            f"| ms of wall time a step | {cells('wall_ms')} |\n" + _stock_decode(b, cells))
+
+
+def written_out_gain(b: dict, rows: int) -> float:
+    """How many times the written-out decode step's CPU transformers' forward takes at `rows` rows (bench-engine's
+    figures, every round)."""
+    return sum(b["transformers_cpu_ms"][str(rows)]) / sum(b["cpu_ms"][str(rows)])
+
+
+def _stock_decode(b: dict, cells) -> str:
+    """The row and the sentence of transformers' forward, timed beside the written-out decode step."""
+    if "transformers_cpu_ms" not in b:
+        return ""
+    largest = b["rows"][-1]
+    return (f"| ms of CPU a step, transformers' forward | {cells('transformers_cpu_ms')} |\n\n"
+            "The rows above decode through the engine's written-out step (recipe/inference/glm4moe_step.py, the same "
+            "logits); the last row times the same steps through transformers' forward, beside them in each round "
+            f"(the two orders alternated): at {largest} rows transformers' forward takes "
+            f"**x{written_out_gain(b, largest):.2f}** the CPU a step.\n")
 
 
 GPU_RESULTS = Path("results") / "gpu"  # committed: what the device machine's checks wrote, a folder a commit

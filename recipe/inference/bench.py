@@ -6,8 +6,9 @@ what batching can win. This bench decodes the base model with recipe.inference.h
 rl.gen_threads threads: for each batch size, prompts of PROMPT_TOKENS tokens (8 rows a prompt, as a group of
 samples), no stop token (every row decodes every step), and times each step by the thread's CPU time (the wall
 time beside it), WARMUP steps left out. Every batch size runs once a round, ROUNDS rounds, so a change of the
-machine's load shows as a difference between rounds. A least-squares line through the medians gives the step's
-fixed cost and its cost a row. Writes runs/<preset>/bench/engine.json and rewrites RESULTS.md.
+machine's load shows as a difference between rounds; where the engine decodes through its written-out step
+(recipe.inference.glm4moe_step), each step is timed through transformers' forward too, right beside it. A
+least-squares line through the medians gives the step's fixed cost and its cost a row. Writes runs/<preset>/bench/engine.json and rewrites RESULTS.md.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from statistics import median
 import torch
 
 from recipe.errors import ConfigError, StageError
-from recipe.eval.report import write_bench
+from recipe.eval.report import write_bench, written_out_gain
 from recipe.inference.hf import DecodeBatch, HFEngine
 from recipe.model import load_pretrained
 from recipe.rollout import SamplingParams
@@ -75,20 +76,34 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def bench(engine: HFEngine, sizes: list[int], rounds: int = ROUNDS, steps: int = STEPS,
           warmup: int = WARMUP) -> dict:
-    """Every batch size once a round; per size the median CPU and wall ms a step of each round."""
+    """Every batch size once a round; per size the median CPU and wall ms a step of each round. Where the engine
+    decodes through its written-out step (recipe.inference.glm4moe_step), each size is also timed through
+    transformers' forward right beside it (the order of the two swapped every round): `transformers_cpu_ms`."""
     cpu = {r: [] for r in sizes}
     wall = {r: [] for r in sizes}
-    for _ in range(rounds):
+    both = engine.written_out_decode
+    stock = {r: [] for r in sizes}
+    paths = (True, False) if both else (False,)
+    for round_ in range(rounds):
         for rows in sizes:
-            c, w = decode_step_costs(engine, rows, steps, warmup)
-            cpu[rows].append(round(median(c), 3))
-            wall[rows].append(round(median(w), 3))
+            for written in paths if round_ % 2 == 0 else paths[::-1]:
+                engine.written_out_decode = written
+                c, w = decode_step_costs(engine, rows, steps, warmup)
+                if written == both:  # the engine's own path
+                    cpu[rows].append(round(median(c), 3))
+                    wall[rows].append(round(median(w), 3))
+                else:
+                    stock[rows].append(round(median(c), 3))
+    engine.written_out_decode = both
     xs = [r for r in sizes for _ in range(rounds)]
     fixed_ms, per_row_ms = fit_line(xs, [v for r in sizes for v in cpu[r]])
-    return {"rows": sizes, "cpu_ms": {str(r): cpu[r] for r in sizes}, "wall_ms": {str(r): wall[r] for r in sizes},
-            "fixed_ms": round(fixed_ms, 3), "per_row_us": round(1000 * per_row_ms, 1), "rounds": rounds,
-            "steps": steps, "warmup": warmup, "prompt_tokens": PROMPT_TOKENS,
-            "samples_per_prompt": SAMPLES_PER_PROMPT}
+    out = {"rows": sizes, "cpu_ms": {str(r): cpu[r] for r in sizes}, "wall_ms": {str(r): wall[r] for r in sizes},
+           "fixed_ms": round(fixed_ms, 3), "per_row_us": round(1000 * per_row_ms, 1), "rounds": rounds,
+           "steps": steps, "warmup": warmup, "prompt_tokens": PROMPT_TOKENS,
+           "samples_per_prompt": SAMPLES_PER_PROMPT, "decode": "written_out" if both else "transformers"}
+    if both:
+        out["transformers_cpu_ms"] = {str(r): stock[r] for r in sizes}
+    return out
 
 
 @stage_main
@@ -108,6 +123,11 @@ def main(cfg):
         print(f"bench-engine: {rows:4d} rows: {' / '.join(f'{v:.2f}' for v in out['cpu_ms'][str(rows)])} ms of CPU "
               f"a decode step")
     print(f"bench-engine: about {out['fixed_ms']:.2f} ms a step plus {out['per_row_us']:.0f} us a row")
+    if "transformers_cpu_ms" in out:
+        for rows in sizes:
+            stock = out["transformers_cpu_ms"][str(rows)]
+            print(f"bench-engine: {rows:4d} rows through transformers' forward: "
+                  f"{' / '.join(f'{v:.2f}' for v in stock)} ms (x{written_out_gain(out, rows):.2f} the written-out step)")
     print(f"bench-engine: wrote {write_bench(cfg, 'bench-engine', 'engine', out, began)}")
 
 

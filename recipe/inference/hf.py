@@ -25,6 +25,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from recipe.chat import stop_token_ids
+from recipe.inference import glm4moe_step
 from recipe.model import load_pretrained
 from recipe.model.attention import SDPA_GQA
 from recipe.rollout import Completion, SamplingParams, distinct_prompts
@@ -309,10 +310,14 @@ class DecodeBatch:
         positions = self.lengths.clone()  # the fed token's position: the tokens before it
         self.lengths = self.lengths + 1
         cols = torch.arange(self.start, self.width + 1, device=device)
-        mask = (cols >= self.width + 1 - self.lengths.unsqueeze(1)).long()
-        self.logits = self.engine.model(input_ids=tok.unsqueeze(1), attention_mask=mask,
-                                        position_ids=positions.unsqueeze(1), past_key_values=self.cache,
-                                        use_cache=True).logits[:, -1].float()
+        mask = cols >= self.width + 1 - self.lengths.unsqueeze(1)
+        if self.engine.written_out_decode:
+            self.logits = glm4moe_step.decode_logits(self.engine.model, tok, positions, mask[:, None, None, :],
+                                                     self.cache).float()
+        else:
+            self.logits = self.engine.model(input_ids=tok.unsqueeze(1), attention_mask=mask.long(),
+                                            position_ids=positions.unsqueeze(1), past_key_values=self.cache,
+                                            use_cache=True).logits[:, -1].float()
         self.width += 1
         return out
 
@@ -327,6 +332,9 @@ class HFEngine:
         self.pad_id = tokenizer.pad_token_id
         self.batch_size = batch_size
         self.policy_version = 0
+        # decode steps through recipe.inference.glm4moe_step where it covers the model (the tiny model on the CPU):
+        # the same logits, less CPU a step; prefills, and any other model or device, through transformers' forward
+        self.written_out_decode = glm4moe_step.supported(model)
 
     @classmethod
     def from_pretrained(cls, path: str, batch_size: int = 64):
