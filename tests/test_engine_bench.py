@@ -95,6 +95,10 @@ def test_bench_times_each_size_once_a_round(engine, monkeypatch):
     assert engine.written_out_decode and out["decode"] == "written_out"
     assert set(out["transformers_cpu_ms"]) == {"1", "8", "16"}
     assert all(len(v) == 2 and min(v) > 0 for v in out["transformers_cpu_ms"].values())
+    stock = [(r, v) for r in (1, 8, 16) for v in out["transformers_cpu_ms"][str(r)]]
+    fixed, per_row = bench.fit_line([r for r, _ in stock], [v for _, v in stock])
+    assert out["transformers_fixed_ms"] == pytest.approx(fixed, abs=1e-3)
+    assert out["transformers_per_row_us"] == pytest.approx(1000 * per_row, abs=0.1)
     assert set(out["cpu_ms"]) == set(out["wall_ms"]) == {"1", "8", "16"}
     assert all(len(v) == 2 and min(v) > 0 for v in out["cpu_ms"].values())
     medians = [(r, v) for r in (1, 8, 16) for v in out["cpu_ms"][str(r)]]
@@ -125,7 +129,9 @@ def test_make_bench_engine_writes_its_figures_and_the_report_section(tmp_path, m
     assert "| ms of CPU a step, transformers' forward | " + " | ".join(
         " / ".join(f"{v:.2f}" for v in out["transformers_cpu_ms"][r]) for r in ("1", "8", "16")) + " |" in section
     gain = sum(out["transformers_cpu_ms"]["16"]) / sum(out["cpu_ms"]["16"])
-    assert f"at 16 rows transformers' forward takes **x{gain:.2f}** the CPU a step" in section
+    assert (f"a line through them about {out['transformers_fixed_ms']:.2f} ms a step plus "
+            f"{out['transformers_per_row_us']:.0f} us a row: at 16 rows transformers' forward takes **x{gain:.2f}** "
+            "the CPU a step") in section
 
 
 def test_make_bench_engine_refuses_a_preset_without_the_hf_engine(tmp_path, capsys):

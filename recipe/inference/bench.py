@@ -8,7 +8,8 @@ samples), no stop token (every row decodes every step), and times each step by t
 time beside it), WARMUP steps left out. Every batch size runs once a round, ROUNDS rounds, so a change of the
 machine's load shows as a difference between rounds; where the engine decodes through its written-out step
 (recipe.inference.glm4moe_step), each step is timed through transformers' forward too, right beside it. A
-least-squares line through the medians gives the step's fixed cost and its cost a row. Writes runs/<preset>/bench/engine.json and rewrites RESULTS.md.
+least-squares line through the medians gives the step's fixed cost and its cost a row. Writes
+runs/<preset>/bench/engine.json and rewrites RESULTS.md.
 """
 from __future__ import annotations
 
@@ -103,6 +104,8 @@ def bench(engine: HFEngine, sizes: list[int], rounds: int = ROUNDS, steps: int =
            "samples_per_prompt": SAMPLES_PER_PROMPT, "decode": "written_out" if both else "transformers"}
     if both:
         out["transformers_cpu_ms"] = {str(r): stock[r] for r in sizes}
+        fixed_ms, per_row_ms = fit_line(xs, [v for r in sizes for v in stock[r]])
+        out["transformers_fixed_ms"], out["transformers_per_row_us"] = round(fixed_ms, 3), round(1000 * per_row_ms, 1)
     return out
 
 
@@ -127,7 +130,10 @@ def main(cfg):
         for rows in sizes:
             stock = out["transformers_cpu_ms"][str(rows)]
             print(f"bench-engine: {rows:4d} rows through transformers' forward: "
-                  f"{' / '.join(f'{v:.2f}' for v in stock)} ms (x{written_out_gain(out, rows):.2f} the written-out step)")
+                  f"{' / '.join(f'{v:.2f}' for v in stock)} ms "
+                  f"(x{written_out_gain(out, rows):.2f} the written-out step)")
+        print(f"bench-engine: transformers' forward: about {out['transformers_fixed_ms']:.2f} ms a step plus "
+              f"{out['transformers_per_row_us']:.0f} us a row")
     print(f"bench-engine: wrote {write_bench(cfg, 'bench-engine', 'engine', out, began)}")
 
 

@@ -7,10 +7,11 @@ for the client alone.
 
 Requests run first in, first out, continuously batched (recipe.inference.hf.DecodeBatch): between decode steps
 waiting requests join the running rows, up to batch_size, together once a quarter of the batch is free or all of
-them fit (joining_now), and every row that finished goes back at once (a Done event a step). A weight update is loaded between two decode steps, as soon as it is read, while rows run (as
-vLLM runs prime-rl's update_weights between engine steps): a running row's next tokens come from the new
-weights, their logprobs too (the trainer's importance ratio is taken token by token), and its completion carries
-the version it started under, the oldest that wrote any of it. A request that waited past max_off_policy_steps
+them fit (joining_now), and every row that finished goes back at once (a Done event a step). A weight update is
+loaded between two decode steps, as soon as it is read, while rows run (as vLLM runs prime-rl's update_weights
+between engine steps): a running row's next tokens come from the new weights, their logprobs too (the trainer's
+importance ratio is taken token by token), and its completion carries the version it started under, the oldest
+that wrote any of it. A request that waited past max_off_policy_steps
 versions is cancelled and handed back to be rescheduled
 (max_off_policy_steps=None: never; rl.staleness=prime_rl, where the orchestrator decides). A request the client
 cancels leaves the queue, or, when it is running, its row leaves the batch at the next decode step (commands are
@@ -46,7 +47,7 @@ def joining_now(engine: HFEngine, batch: DecodeBatch, pending: deque) -> list[Re
     """The waiting requests that join the running batch before its next decode step, taken off `pending`.
 
     A join costs a forward pass of its prompts, most of it fixed cost on the CPU (a prompt alone about as much as a
-    decode step of 60 rows), so rows join together: only once the batch has room for a quarter of its size, or for
+    decode step of 45 rows), so rows join together: only once the batch has room for a quarter of its size, or for
     every waiting request (HFEngine.should_admit), and then every one that fits, in order, while they share the
     batch's sampling settings. Joining as each row finished took a prefill for every 4 or 5 rows in the tiny RL
     stage (docs/performance.md)."""
