@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from recipe.model.attention import _decode_attention
+from recipe.model.attention import decode_attention
 
 
 def supported(model) -> bool:
@@ -115,8 +115,8 @@ def decode_logits(model, tokens: torch.Tensor, positions: torch.Tensor, mask: to
         if attn.use_qk_norm:
             q, k = _rms(q, attn.q_norm), _rms(k, attn.k_norm)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        keys, values = kv.update(k.unsqueeze(2), v.unsqueeze(2), layer.self_attn.layer_idx)
-        out = _decode_attention(q.unsqueeze(2), keys, values, mask, attn.scaling)
+        keys, values = kv.update(k.unsqueeze(2), v.unsqueeze(2), attn.layer_idx)
+        out = decode_attention(q.unsqueeze(2), keys, values, mask, attn.scaling)
         x = x + F.linear(out.reshape(rows, heads * dim), attn.o_proj.weight)
         h = _rms(x, layer.post_attention_layernorm)
         mlp = layer.mlp

@@ -29,7 +29,7 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, s
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     if query.shape[2] == 1 and (attention_mask is None or attention_mask.shape[1] == 1) and not dropout:
-        return _decode_attention(query, key, value, attention_mask, scaling), None
+        return decode_attention(query, key, value, attention_mask, scaling), None
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
                                          scale=scaling, enable_gqa=True,
@@ -37,7 +37,7 @@ def sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=0.0, s
     return out.transpose(1, 2).contiguous(), None
 
 
-def _decode_attention(query, key, value, attention_mask, scaling):
+def decode_attention(query, key, value, attention_mask, scaling):
     """One new token a row against its KV cache, as two batched matrix products and a softmax: torch's CPU sdpa
     kernel, built for long queries, cost more for a single masked query (a 128-row decode step of the tiny model
     about 9% less this way, docs/performance.md). The query heads that share a key/value head go in one product,
