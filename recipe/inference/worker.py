@@ -11,9 +11,8 @@ them fit (joining_now), and every row that finished goes back at once (a Done ev
 loaded between two decode steps, as soon as it is read, while rows run (as vLLM runs prime-rl's update_weights
 between engine steps): a running row's next tokens come from the new weights, their logprobs too (the trainer's
 importance ratio is taken token by token), and its completion carries the version it started under, the oldest
-that wrote any of it. A request that waited past max_off_policy_steps
-versions is cancelled and handed back to be rescheduled
-(max_off_policy_steps=None: never; rl.staleness=prime_rl, where the orchestrator decides). A request the client
+that wrote any of it. A request that waited past max_off_policy_steps versions is cancelled and handed back to be
+rescheduled (max_off_policy_steps=None: never; rl.staleness=prime_rl, where the orchestrator decides). A request the client
 cancels leaves the queue, or, when it is running, its row leaves the batch at the next decode step (commands are
 read between decode steps); nothing comes back for it.
 """
