@@ -264,12 +264,11 @@ def _stock_decode(b: dict, cells) -> str:
     if "transformers_cpu_ms" not in b:
         return ""
     largest = b["rows"][-1]
-    line = (f", a line through them about {b['transformers_fixed_ms']:.2f} ms a step plus "
-            f"{b['transformers_per_row_us']:.0f} us a row" if "transformers_fixed_ms" in b else "")
     return (f"| ms of CPU a step, transformers' forward | {cells('transformers_cpu_ms')} |\n\n"
             "The rows above decode through the engine's written-out step (recipe/inference/glm4moe_step.py, the same "
             "logits); the last row times the same steps through transformers' forward, beside them in each round "
-            f"(the two orders alternated){line}: at {largest} rows transformers' forward takes "
+            f"(the two orders alternated), a line through them about {b['transformers_fixed_ms']:.2f} ms a step "
+            f"plus {b['transformers_per_row_us']:.0f} us a row: at {largest} rows transformers' forward takes "
             f"**x{written_out_gain(b, largest):.2f}** the CPU a step.\n")
 
 

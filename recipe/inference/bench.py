@@ -96,16 +96,17 @@ def bench(engine: HFEngine, sizes: list[int], rounds: int = ROUNDS, steps: int =
                 else:
                     stock[rows].append(round(median(c), 3))
     engine.written_out_decode = both
-    xs = [r for r in sizes for _ in range(rounds)]
-    fixed_ms, per_row_ms = fit_line(xs, [v for r in sizes for v in cpu[r]])
+    def line(ms: dict) -> tuple[float, float]:  # (fixed ms, us a row) through every round's median
+        fixed_ms, per_row_ms = fit_line([r for r in sizes for _ in ms[r]], [v for r in sizes for v in ms[r]])
+        return round(fixed_ms, 3), round(1000 * per_row_ms, 1)
+
     out = {"rows": sizes, "cpu_ms": {str(r): cpu[r] for r in sizes}, "wall_ms": {str(r): wall[r] for r in sizes},
-           "fixed_ms": round(fixed_ms, 3), "per_row_us": round(1000 * per_row_ms, 1), "rounds": rounds,
-           "steps": steps, "warmup": warmup, "prompt_tokens": PROMPT_TOKENS,
+           "rounds": rounds, "steps": steps, "warmup": warmup, "prompt_tokens": PROMPT_TOKENS,
            "samples_per_prompt": SAMPLES_PER_PROMPT, "decode": "written_out" if both else "transformers"}
+    out["fixed_ms"], out["per_row_us"] = line(cpu)
     if both:
         out["transformers_cpu_ms"] = {str(r): stock[r] for r in sizes}
-        fixed_ms, per_row_ms = fit_line(xs, [v for r in sizes for v in stock[r]])
-        out["transformers_fixed_ms"], out["transformers_per_row_us"] = round(fixed_ms, 3), round(1000 * per_row_ms, 1)
+        out["transformers_fixed_ms"], out["transformers_per_row_us"] = line(stock)
     return out
 
 

@@ -96,10 +96,7 @@ def decode_logits(model, tokens: torch.Tensor, positions: torch.Tensor, mask: to
     appended to `cache` (the engine's buffer layers: update() writes the next column and returns the views);
     `mask` (rows, 1, 1, columns) bool, True where a row may attend. Returns (rows, vocab) in the model's dtype."""
     inner = model.model
-    cfg = model.config
     rows = tokens.shape[0]
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     x = inner.embed_tokens(tokens)
     rotary = inner.rotary_emb
     freqs = positions.unsqueeze(-1).float() * rotary.inv_freq
@@ -109,15 +106,15 @@ def decode_logits(model, tokens: torch.Tensor, positions: torch.Tensor, mask: to
     for layer, kv in zip(inner.layers, cache.layers):
         attn = layer.self_attn
         h = _rms(x, layer.input_layernorm)
-        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(rows, heads, dim)
-        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(rows, kv_heads, dim)
-        v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(rows, kv_heads, dim)
+        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(rows, -1, attn.head_dim)
+        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(rows, -1, attn.head_dim)
+        v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(rows, -1, attn.head_dim)
         if attn.use_qk_norm:
             q, k = _rms(q, attn.q_norm), _rms(k, attn.k_norm)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         keys, values = kv.update(k.unsqueeze(2), v.unsqueeze(2), attn.layer_idx)
         out = decode_attention(q.unsqueeze(2), keys, values, mask, attn.scaling)
-        x = x + F.linear(out.reshape(rows, heads * dim), attn.o_proj.weight)
+        x = x + F.linear(out.reshape(rows, -1), attn.o_proj.weight)
         h = _rms(x, layer.post_attention_layernorm)
         mlp = layer.mlp
         if hasattr(mlp, "experts"):
