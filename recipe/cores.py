@@ -55,9 +55,37 @@ def busy_seconds(cores: list[int], stat_text: str | None = None) -> float | None
 
 def own_cpu_s() -> float:
     """CPU seconds of this process (every thread) and of its children that have ended (the eval stage's sandboxed
-    programs): neither is another process's load."""
+    programs): neither is another process's load. Warm sandboxes stay up between runs: their CPU comes from
+    tree_cpu_s (recipe.sandbox.warm.cpu_s)."""
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
+
+
+def tree_cpu_s(roots: list[int]) -> float:
+    """CPU seconds of the running processes `roots` and all their running descendants, each with the children it
+    has reaped (/proc; 0 without it): os.times counts a child only once this process has reaped it."""
+    kids: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return 0.0
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rpartition(b")")[2].split()
+            kids.setdefault(int(fields[1]), []).append(int(name))
+            ticks[int(name)] = sum(int(v) for v in fields[11:15])  # utime, stime, cutime, cstime
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+    total, todo = 0, list(roots)
+    while todo:
+        pid = todo.pop()
+        total += ticks.get(pid, 0)
+        todo += kids.get(pid, [])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 @dataclass

@@ -128,86 +128,15 @@ def test_a_child_process_that_ended_is_this_process_own_work_not_another_load():
     assert ThreadGovernor(2).own_cpu is cores.own_cpu_s
 
 
-@pytest.mark.parametrize("adapt", [True, False])
-def test_sft_follows_the_governor_and_records_its_threads(tmp_path, monkeypatch, capsys, adapt):
-    """A stage's governor (here told that another process holds one of two cores) takes it to 1 thread after the
-    first step: a line says so and metrics.jsonl records the threads; sft.adapt_threads=false keeps 2."""
-    made = []
-
-    def busy_machine(most):
-        made.append(busy_governor(most))
-        return made[-1]
-
-    monkeypatch.setattr(sft, "ThreadGovernor", busy_machine)
-    before = torch.get_num_threads()
+def test_the_cpu_of_a_running_process_tree():
+    """A warm sandbox stays up between the programs it runs: what it and its children used, before anything ends."""
+    burn = ("import subprocess, sys\nsubprocess.run([sys.executable, '-c', 'import time\\nt = time.process_time()"
+            "\\nwhile time.process_time() - t < 0.5: pass'])\nprint('done', flush=True)\nsys.stdin.read()")
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        tok = build_tokenizer(TEXTS, 300)
-        cfg = TrainConfig(max_steps=3, batch_size=4, lr=1e-3, warmup_ratio=0.0, scheduler="constant", max_length=64,
-                          save_steps=100, logging_steps=1, threads=2, adapt_threads=adapt)
-        sft.train_supervised(build_tiny_model(ARCH, tok), tok, Dataset.from_dict({"text": TEXTS}), cfg,
-                             tmp_path / "sft", use_cpu=True)
-        rows = [json.loads(x) for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+        assert child.stdout.readline() == "done\n"
+        assert 0.45 <= cores.tree_cpu_s([child.pid]) < 5  # its grandchild (reaped by it), its own start; in ticks
+        assert cores.tree_cpu_s([]) == 0
     finally:
-        torch.set_num_threads(before)
-    steps = [r for r in rows if "loss" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3]
-    out = capsys.readouterr().out
-    if adapt:
-        assert len(made) == 1 and made[0].changes == [(1, 1.0)]
-        assert "sft: step 1: 1 torch thread, other processes keeping 1.0 of 2 cores busy" in out
-        assert [r["threads"] for r in steps] == [1, 1, 1]
-    else:
-        assert made == [] and "torch thread" not in out
-        assert [r["threads"] for r in steps] == [2, 2, 2]
-
-
-def test_the_governor_reads_this_process_cores_by_default():
-    g = ThreadGovernor(2)
-    assert g.cores == cores.own_cores() and g.threads == 2
-
-
-def test_adapt_threads_leaves_a_stage_config_hash_as_it_was():
-    """How fast a run trains is not what it trains: runs made before the key, or with it off, keep their hash."""
-    on = load_config([])
-    off = load_config(["sft.adapt_threads=false", "base.adapt_threads=false", "eval.adapt_threads=false"])
-    assert on.sft.adapt_threads and not off.sft.adapt_threads and not off.eval.adapt_threads
-    assert config_hash(on) == config_hash(off)
-    assert config_hash(on, ["eval"]) == config_hash(off, ["eval"]) and held_out_hash(on) == held_out_hash(off)
-    assert held_out_hash(on) != held_out_hash(load_config(["eval.threads=1"]))
-    assert config_hash(on) != config_hash(load_config(["sft.threads=1"]))
-
-
-def busy_governor(most: int) -> ThreadGovernor:
-    """A governor on a machine where another process holds one of two cores: 1 thread from its first step."""
-    m = FakeMachine()
-    g = ThreadGovernor(most, interval_s=0.0, cores=[0, 1], read_busy=lambda c: m.busy, own_cpu=lambda: m.own,
-                       clock=lambda: m.now)
-    real_step = g.step
-
-    def step():
-        m.run(1.0, own_cores=1.0, other_cores=1.0)
-        return real_step()
-    g.step = step
-    return g
-
-
-def test_eval_sets_the_engines_threads_before_each_chunk_and_samples_the_same(tmp_path, capsys):
-    class ThreadsSeen(ScriptedEvalEngine):
-        def generate(self, prompts, params):
-            self.threads = [*getattr(self, "threads", []), torch.get_num_threads()]
-            return super().generate(prompts, params)
-
-    correct = {0: 4, 1: 0, 2: 1, 3: 2}
-    cfg = EvalConfig(samples=4, pass_k=[1, 4], batch_size=8)  # 2 problems a chunk: 2 chunks
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        governed, plain = ThreadsSeen(correct, 4), ThreadsSeen(correct, 4)
-        res = evaluate(governed, CharTokenizer(), rows(4), cfg, tmp_path / "a", governor=busy_governor(2))
-        torch.set_num_threads(2)
-        ref = evaluate(plain, CharTokenizer(), rows(4), cfg, tmp_path / "b")
-    finally:
-        torch.set_num_threads(before)
-    assert governed.threads == [1, 1] and plain.threads == [2, 2]
-    assert "eval: 1 torch thread, other processes keeping 1.0 of 2 cores busy" in capsys.readouterr().out
-    assert res["env"] == ref["env"]
+        child.stdin.close()
+        child.wait()

@@ -98,7 +98,10 @@ def test_report_shows_the_sandbox_throughput_that_bench_sandbox_wrote(tmp_path):
     bench = tmp_path / "runs" / "tiny" / "bench"
     bench.mkdir(parents=True, exist_ok=True)
     (bench / "sandbox.json").write_text(json.dumps({
-        "backend": "bwrap", "programs": 200, "seconds": 5.5, "programs_per_s": 36.36, "workers": 2,
+        "backend": "bwrap", "programs": 200, "workers": 2,
+        "rounds": [{"mode": m, "seconds": 5.5, "programs_per_s": 36.36, "cpu_ms": 20.0} for m in ("warm", "cold")],
+        "warm": {"programs_per_s": 136.36, "cpu_ms_per_program": 3.25},
+        "cold": {"programs_per_s": 36.36, "cpu_ms_per_program": 20.0},
         "command": "make bench-sandbox PRESET=tiny",
         "provenance": {"git": {"commit": "0123456789abcdef", "dirty": False}, "hardware": {"cpus": 2}}}))
     level = {"max_async_level": 1, "steps": 40, "samples": 5120, "mean_step_s": 1.5, "steps_per_hour": 2400.0,
@@ -109,7 +112,8 @@ def test_report_shows_the_sandbox_throughput_that_bench_sandbox_wrote(tmp_path):
         "provenance": {"git": {"commit": "0123456789abcdef", "dirty": False}, "hardware": {"cpus": 2}}}))
     text = write_report(cfg).read_text()
     assert "| x1.60 |" in text and "| 0.481 ± 0.018 | 0.464 ± 0.020 |" in text
-    assert "**36.4 programs/s**" in text and "backend `bwrap`" in text and "`make bench-sandbox PRESET=tiny`" in text
+    assert "**136.4 programs/s** warm, 3.2 ms" in text and "36.4 cold, 20.0 ms" in text and "(**x3.75**)" in text
+    assert "backend `bwrap`" in text and "`make bench-sandbox PRESET=tiny`" in text
 
 
 def test_report_says_how_loaded_the_machine_was_where_a_run_recorded_it(tmp_path):
@@ -136,7 +140,10 @@ def test_report_says_how_loaded_the_machine_was_where_a_run_recorded_it(tmp_path
     prov = {"git": {"commit": "0123456789abcdef", "dirty": False}, "hardware": {"cpus": 2},
             "load_avg_1m_at_start": 0.21, "load_avg_1m_at_end": 2.36}
     (bench / "sandbox.json").write_text(json.dumps({
-        "backend": "bwrap", "programs": 200, "seconds": 5.5, "programs_per_s": 36.36, "workers": 2,
+        "backend": "bwrap", "programs": 200, "workers": 2,
+        "rounds": [{"mode": m, "seconds": 5.5, "programs_per_s": 36.36, "cpu_ms": 20.0} for m in ("warm", "cold")],
+        "warm": {"programs_per_s": 136.36, "cpu_ms_per_program": 3.25},
+        "cold": {"programs_per_s": 36.36, "cpu_ms_per_program": 20.0},
         "command": "make bench-sandbox PRESET=tiny", "provenance": prov}))
     level = {"steps": 40, "samples": 5120, "mean_step_s": 1.5, "steps_per_hour": 2400.0, "speedup_vs_sync": 1.6,
              "mean_gen_busy_s": 1.3, "mean_train_s": 1.2, "reward_second_half": 0.481, "held_out_avg": 0.464,

@@ -296,6 +296,10 @@ HOSTILE = [
             "ctypes.get_errno())", every_line("memfd", " -1 1")),
     Hostile("sysv_shared_memory", SYSCALLS + "print('shmget', libc.shmget(0, 1 << 30, 0o1600), ctypes.get_errno())",
             every_line("shmget", " -1 1")),
+    Hostile("ipc_that_outlives_the_run", SYSCALLS + "print('msgget', libc.syscall(@NR_msgget@, 0, 0o1600), "
+            "ctypes.get_errno())\nprint('semget', libc.syscall(@NR_semget@, 0, 1, 0o1600), ctypes.get_errno())\n"
+            "print('mq_open', libc.syscall(@NR_mq_open@, b'q', 0o100 | 2, 0o600, None), ctypes.get_errno())",
+            every_line("", " -1 1", at_least=3)),
     Hostile("dev_shm_hog", "total = 0\ntry:\n    for i in range(200):\n"
             "        with open(f'/dev/shm/hog{i}', 'wb') as f:\n            f.write(b'x' * (1 << 20))\n"
             "        total += 1\nexcept OSError as e:\n    print('stopped', e.errno)\nprint('MB', total)",
@@ -326,7 +330,8 @@ HOSTILE = [
             "subprocess.Popen(['sh', '-c', 'trap \"\" HUP TERM; sleep 40; : ' + @MARK@], start_new_session=True)\n"
             "print('spawned')", status_is("ok")),
     Hostile("kill_minus_one", "import os, signal\ntry:\n    os.kill(-1, signal.SIGKILL)\nexcept OSError as e:\n"
-            "    print(type(e).__name__)\nprint('still here')", status_is("ok")),
+            "    print(type(e).__name__)\nprint('still here')", status_is("ok", "killed")),  # a warm sandbox's
+    # server is in the program's reach (recipe/sandbox/warm.py): it goes, and the run with it, as "killed"
     Hostile("kill_parent_and_host_pids", "import os, signal\n"
             "for pid in [os.getppid(), 1, @HOSTPID@] + @HELPERS@:\n"
             "    for sig in (signal.SIGSTOP, signal.SIGKILL):\n        try:\n            os.kill(pid, sig)\n"
@@ -974,3 +979,152 @@ def test_a_lower_limit_the_caller_inherited_holds(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          cwd=Path(runner.__file__).parents[2])
     assert out.stdout.strip() == "ok (40, 40)", out.stdout + out.stderr
+
+
+# ----------------------------------------------------------------------------------------- warm sandboxes
+
+def warm_box(limits: Limits):
+    """The idle warm sandbox for runs of these limits (runner._execute_warm's key), or None."""
+    from recipe.sandbox import warm
+
+    key = (runner.interpreter(), limits.memory_mb, limits.file_mb, frozenset())
+    idle = warm._idle.get(key) or []
+    assert len(idle) <= 1, idle
+    return idle[0] if idle else None
+
+
+@pytest.fixture
+def warm_bwrap(monkeypatch):
+    from recipe.sandbox import warm
+
+    use_backend(monkeypatch, "bwrap")
+    if not {"--remount-ro", "--size"} <= runner._bwrap_features():
+        pytest.skip("this bwrap cannot make / read-only and size its tmpfs: no warm sandboxes")
+    monkeypatch.delenv(warm.SWITCH, raising=False)
+    monkeypatch.setattr(warm, "_disabled", None)
+    warm.close_all()
+    yield
+    warm.close_all()
+
+
+LEAVE_BEHIND = DAEMON.replace("import time; time.sleep(60)",  # it keeps writing into /tmp, if it lives
+                              "import time\\nwhile True:\\n    time.sleep(0.01)\\n    try:\\n"
+                              "        open(\\'/tmp/late\\', \\'w\\').write(\\'x\\')\\n    except OSError:\\n"
+                              "        pass")
+LEAVE_BEHIND += """
+import sys
+open('/tmp/left', 'w').write('x')
+open('/dev/shm/left', 'w').write('x')
+os.makedirs('/tmp/deep/er')
+os.chmod('/tmp/deep', 0)
+sys.leak = 'from the last run'
+os.chmod('/tmp', 0)
+"""
+LOOK_AROUND = """
+import os, sys
+print('tmp', sorted(os.listdir('/tmp')), oct(os.stat('/tmp').st_mode & 0o7777))
+print('shm', sorted(os.listdir('/dev/shm')))
+others = [p for p in os.listdir('/proc') if p.isdigit() and int(p) not in (1, os.getpid(), os.getppid())]
+print('others', others)
+print('leak', hasattr(sys, 'leak'))
+"""
+
+
+def test_a_warm_sandbox_is_reused_and_each_run_starts_clean(warm_bwrap, ctx):
+    """A run that leaves a daemon writing into /tmp, files in /tmp and /dev/shm, a folder it cannot be read,
+    /tmp without permissions and a changed interpreter: the next run in the same sandbox sees none of it."""
+    first = run_python(marked(ctx.mark, ctx.fill(LEAVE_BEHIND)), "", FAST)
+    assert first.status == "ok" and "detached" in first.stdout, first
+    box = warm_box(FAST)
+    assert box is not None and box.proc.poll() is None
+    second = run_python(LOOK_AROUND, "", FAST)
+    assert second.status == "ok", second
+    assert out(second) == ["tmp [] 0o1777", "shm []", "others []", "leak False"], second
+    assert warm_box(FAST) is box  # the same sandbox ran both
+    assert_contained(second, ctx)
+
+
+def test_a_warm_sandbox_its_program_killed_is_replaced(warm_bwrap):
+    """A program that kills the sandbox's server: "killed", its own verdict (the run had started), never a
+    sandbox failure; the next run gets a new sandbox."""
+    assert run_python("print(1)", "", FAST).status == "ok"
+    box = warm_box(FAST)
+    res = run_python("import os, signal, time\nos.kill(os.getppid(), signal.SIGKILL)\ntime.sleep(5)", "", FAST)
+    assert res.status == "killed" and not res.sandbox_failed, res
+    assert box.proc.poll() is not None and warm_box(FAST) is None
+    again = run_python("print(2)", "", FAST)
+    assert again.status == "ok" and again.stdout == "2\n", again
+    assert warm_box(FAST) not in (None, box)
+
+
+def test_a_warm_sandbox_is_ended_after_a_timeout(warm_bwrap):
+    res = run_python("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(30)", "",
+                     ONE_S)
+    assert res.status == "timeout" and warm_box(ONE_S) is None, res
+    assert run_python("print(3)", "", ONE_S).stdout == "3\n"
+
+
+EXITS = [
+    ("import threading, time, atexit\natexit.register(lambda: print('atexit'))\n"
+     "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()\nprint('main')", 0,
+     ["main", "thread", "atexit"]),
+    ("import sys\nprint('a', end='')\nsys.exit(3)", 3, ["a"]),
+    ("import sys\nsys.exit('a message')", 1, []),
+    ("raise ValueError('boom')", 1, []),
+    ("import os\nprint('lost', end='')\nos._exit(4)", 4, []),
+    ("import sys\nsys.stdout.write('x' * 100000)", 0, ["x" * 65536]),
+]
+
+
+@pytest.mark.parametrize("warm_on", [True, False], ids=["warm", "cold"])
+def test_a_run_ends_as_an_interpreter_would(warm_on, warm_bwrap, monkeypatch):
+    """Threads joined, atexit functions, exit codes and messages, buffered output: the same in a warm sandbox as
+    in a cold one (a fresh interpreter)."""
+    from recipe.sandbox import warm
+
+    if not warm_on:
+        monkeypatch.setenv(warm.SWITCH, "0")
+    for code, rc, lines in EXITS:
+        res = run_python(code, "", FAST)
+        assert res.returncode == rc and out(res) == lines, (code, res)
+        if "message" in code or "boom" in code:
+            assert res.status == "error" and ("a message" in res.stderr or "ValueError: boom" in res.stderr), res
+    assert (warm_box(FAST) is None) != warm_on
+
+
+@pytest.mark.parametrize("name", ["cpu_burn", "background_shells", "memory_bomb", "daemon_setsid_double_fork_empty_env",
+                                  "read_runs_hidden_tests", "net_socket_module", "kill_minus_one", "see_host_processes"])
+def test_cold_bwrap_runs_still_contain(name, warm_bwrap, ctx, monkeypatch):
+    """RECIPE_SANDBOX_WARM=0 (or a bwrap that cannot host warm sandboxes): a sandbox per run, as before."""
+    from recipe.sandbox import warm
+
+    monkeypatch.setenv(warm.SWITCH, "0")
+    monkeypatch.setenv("RECIPE_TEST_SECRET", SECRET)
+    prog = next(h for h in HOSTILE if h.name == name)
+    code = ctx.fill(prog.code)
+    res = run_python(marked(ctx.mark, code) if prog.marked else code, "", prog.limits)
+    assert prog.check(res, ctx) is True, res
+    assert_contained(res, ctx)
+    assert warm_box(prog.limits) is None
+
+
+def test_an_idle_warm_sandbox_that_died_is_replaced_without_a_sandbox_failure(warm_bwrap):
+    assert run_python("print(1)", "", FAST).status == "ok"
+    box = warm_box(FAST)
+    os.killpg(box.proc.pid, 9)  # from outside, while it waits for a run
+    box.proc.wait()
+    res = run_python("print(2)", "", FAST)
+    assert res.status == "ok" and res.stdout == "2\n", res
+    assert warm_box(FAST) not in (None, box)
+
+
+def test_the_cpu_of_warm_sandboxes_is_counted_while_they_are_up(warm_bwrap):
+    """os.times counts a warm sandbox's runs only once it has ended; warm.cpu_s counts them now (the eval's
+    thread governor takes them for its own work, as it takes a cold run it has reaped)."""
+    from recipe.sandbox import warm
+
+    before = warm.cpu_s()
+    res = run_python("import time\nt = time.process_time()\nwhile time.process_time() - t < 0.4: pass", "",
+                     Limits(cpu_s=2, wall_s=5))
+    assert res.status == "ok", res
+    assert warm.cpu_s() - before >= 0.35  # /proc counts in clock ticks

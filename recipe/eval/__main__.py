@@ -26,7 +26,7 @@ from omegaconf import OmegaConf
 
 from recipe.chat import encode_prompt
 from recipe.config import SPEED_KEYS, EngineKind, config_hash, drop_unset_top_k
-from recipe.cores import ThreadGovernor
+from recipe.cores import ThreadGovernor, own_cpu_s
 from recipe.data.schema import read_split
 from recipe.eval import models as eval_models
 from recipe.eval import sampling
@@ -39,6 +39,7 @@ from recipe.launch.roles import INFERENCE_URLS_ENV
 from recipe.model_card import write_card
 from recipe.runs import (STAGE_KEYS, Began, Stage, done_hash, provenance, require_done, stage_dir, stage_main,
                          write_atomic)
+from recipe.sandbox import warm
 from recipe.tracking import Tracker, open_tracker
 
 # eval keys that only concern the benchmarks: left out of the held-out suite's key, so that adding a benchmark
@@ -161,7 +162,9 @@ def run_eval(cfg, stage: Stage, tracker: Tracker) -> None:
     bench_rows: dict[str, list[dict]] = {}
     held_keys: dict[str, tuple[Path, str]] = {}  # stage with a model folder of this run -> (folder, held-out key)
     # one for every model: the load it measured carries over from one model to the next
-    governor = ThreadGovernor(cfg.eval.threads) if cfg.eval.adapt_threads else None
+    # the sandboxed programs that score code are this stage's own work, not another process's load
+    governor = (ThreadGovernor(cfg.eval.threads, own_cpu=lambda: own_cpu_s() + warm.cpu_s())
+                if cfg.eval.adapt_threads else None)
     # every model is checked before any work: this config's stages, folders, hub models located (seconds offline)
     models = {entry: eval_models.model_for(cfg, entry) for entry in cfg.eval.checkpoints}
     for entry, model in models.items():

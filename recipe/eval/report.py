@@ -224,10 +224,21 @@ def sandbox_section(cfg) -> str:
     if b is None:
         return "_No sandbox benchmark yet: run `make bench-sandbox`._\n"
     prov = b["provenance"]
-    return (f"Reproduce: `{b['command']}`. {b['programs']} small correct stdin programs, each in a sandbox of its "
-            f"own (backend `{b['backend']}`), {b['workers']} at a time: {b['seconds']:.2f} s, "
-            f"**{b['programs_per_s']:.1f} programs/s**. Commit {_commit(prov)}, {prov['hardware']['cpus']} "
-            f"CPUs{_load_phrase(prov)}.\n")
+
+    def cpu(mode):
+        ms = b[mode]["cpu_ms_per_program"]
+        return "" if ms is None else f", {ms:.1f} ms of the machine's CPU a program"
+    text = (f"Reproduce: `{b['command']}`. Rounds of {b['programs']} small correct stdin programs, {b['workers']} "
+            f"at a time (backend `{b['backend']}`), ")
+    if "warm" in b:
+        w, c = b["warm"]["programs_per_s"], b["cold"]["programs_per_s"]
+        text += (f"{len(b['rounds'])} rounds alternating warm sandboxes (one per worker, a fresh process for each "
+                 f"program: recipe/sandbox/warm.py) and a sandbox started for each program: **{w:.1f} programs/s** "
+                 f"warm{cpu('warm')}, against {c:.1f} cold{cpu('cold')} (**x{w / c:.2f}**).")
+    else:
+        text += (f"each in a sandbox of its own, {len(b['rounds'])} rounds: **{b['cold']['programs_per_s']:.1f} "
+                 f"programs/s**{cpu('cold')}.")
+    return text + f" Commit {_commit(prov)}, {prov['hardware']['cpus']} CPUs{_load_phrase(prov)}.\n"
 
 
 def engine_section(cfg) -> str:
@@ -414,8 +425,9 @@ def soak_section(cfg) -> str:
            f"process sampled every {b['sample_s']:g} s ({b['samples']} samples). RSS rises and falls within a step "
            "with the work in hand; what a leak raises is the floor, the lowest sample in each 10-step window. "
            "Growth = a least-squares line of the floor against step after the warm-up (the first fifth of the "
-           "steps), over the steps it covers; flat = growth under 5% of the median floor or 16 MB. Sandbox runs "
-           f"are short-lived processes: their largest sum at one sample was {b['sandbox_max_mb']:.0f} MB. Commit "
+           "steps), over the steps it covers; flat = growth under 5% of the median floor or 16 MB. The sandbox's "
+           "processes (the warm sandboxes, up between runs, and the runs they fork): their largest sum at one sample "
+           f"was {b['sandbox_max_mb']:.0f} MB. Commit "
            f"{_commit(prov)}, {prov['hardware']['cpus']} CPUs, load {_load(prov.get('load_avg_1m_at_end'))} at the "
            "end.\n\n",
            "| process | floor MB, first -> last window after warm-up | median MB | peak MB | growth of the floor MB | "

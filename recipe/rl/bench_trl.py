@@ -52,6 +52,7 @@ from recipe.model import load_pretrained
 from recipe.rl.loop import run_rl
 from recipe.rl.soak import RSSSampler
 from recipe.runs import Began, load_avg, require_done, stage_dir, stage_main, write_atomic
+from recipe.sandbox import warm
 
 ENVS = ("math", "logic", "code")
 ORDER = ("recipe", "trl", "recipe")
@@ -176,6 +177,7 @@ def run_arm(argv: list[str], arm: str, out_dir: str, result_path: str) -> None:
             model_dir, times, masked = run_trl(cfg, out, start_model, read_split(data, "rl"))
             step_s, steps, generated = times[1:], len(times), len(times) * per_step
         wall = time.perf_counter() - t0
+        warm.close_all()  # a warm sandbox's runs count in os.times once the sandbox has ended and been reaped
         cpu1 = os.times()
         cpu = (cpu1.user + cpu1.system + cpu1.children_user + cpu1.children_system
                - cpu0.user - cpu0.system - cpu0.children_user - cpu0.children_system)

@@ -2,7 +2,8 @@
 
 Runs rl.soak_steps steps of the RL loop (asynchronous, as `make rl`) from the SFT model into
 runs/<preset>/bench/soak/, while a thread samples RSS every rl.soak_sample_s seconds: the stage's own process
-(trainer and orchestrator), the engine process, and the short-lived sandbox processes summed as one role.
+(trainer and orchestrator), the engine process, and the sandbox's processes (the warm sandboxes and the runs
+they fork) summed as one role.
 After a warm-up (the first fifth of the steps: allocator pools, the engine's caches and the optimizer state fill
 up), each role's floor (its lowest RSS in each window of WINDOW_STEPS steps: what it keeps between bursts of
 work) is fitted with a least-squares line against step; a role is flat when the line rises by less than

@@ -6,6 +6,10 @@
 # control pipe (so the host can tell a sandbox that never came up from a program that failed), then runs the
 # program as __main__, and in MODE "fn" calls its function on each case. Expected answers never come in here: the
 # host compares.
+# As `python -c <this> serve SOCK_FD` it is a warm sandbox's server (warm.py): for each run the host sends on the
+# socket the mode and the payload with the run's stdin, stdout, stderr and control pipe; the server forks a child
+# that does what is said above (the sandbox and its filter are already up), waits for it, kills every other
+# process of the sandbox, empties /tmp and /dev/shm, and only then answers with the child's status.
 # Every sandboxed run starts an interpreter, so what this file imports is paid on every run: the payload comes as
 # marshal (the host writes it), messages go out through the C encoder json.dumps itself uses, and the timers come
 # from signal's C core. `import json` (re and its patterns) and `import signal` (enum) were about a third of a
@@ -228,6 +232,9 @@ def _quitter(name):
 
 
 def _main():
+    if sys.argv[1] == "serve":
+        _serve(int(sys.argv[2]))
+        return
     mode, ctl, src = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     chunks = []
     while True:
@@ -236,7 +243,10 @@ def _main():
             break
         chunks.append(chunk)
     os.close(src)
-    payload = marshal.loads(b"".join(chunks))
+    _run(mode, ctl, marshal.loads(b"".join(chunks)))
+
+
+def _run(mode, ctl, payload):
     import resource  # the run's limits, on this process and all it starts, before anything of the program
 
     for name, soft, hard in payload["rlimits"]:
@@ -285,6 +295,140 @@ def _main():
     if mode == "fn":
         sys.stdout.flush()
         _harness(ctl, module.__dict__, payload)
+
+
+# ------------------------------------------------------------------------------------ a warm sandbox's server
+
+CTL_FD = 3  # where a warm run's control pipe sits in its process
+RUN_FDS = 4  # stdin, stdout, stderr and the control pipe, in that order
+
+
+def _serve(sock_fd):
+    import _socket
+    import array
+
+    ctypes, libc, call = _libc()
+    prctl(libc, 4, 0)  # PR_SET_DUMPABLE 0: a run cannot read or write this server's memory through /proc
+    sock = _socket.socket(fileno=sock_fd)
+    sock.sendall(b'{"ready": true}\n')
+    fd_room = _socket.CMSG_SPACE(RUN_FDS * array.array("i").itemsize)
+    while True:
+        data, anc, _, _ = sock.recvmsg(8, fd_room)
+        fds = array.array("i")
+        for level, kind, blob in anc:
+            if level == _socket.SOL_SOCKET and kind == _socket.SCM_RIGHTS:
+                fds.frombytes(blob[:len(blob) - len(blob) % fds.itemsize])
+        while data and len(data) < 8:
+            more = sock.recv(8 - len(data))
+            if not more:
+                break
+            data += more
+        if len(data) < 8 or len(fds) != RUN_FDS:
+            os._exit(0)  # the host closed the socket (or broke the protocol): the sandbox ends
+        size, parts = int.from_bytes(data, "little"), []
+        while size:
+            part = sock.recv(min(size, 1 << 20))
+            if not part:
+                os._exit(0)
+            parts.append(part)
+            size -= len(part)
+        mode, payload = marshal.loads(b"".join(parts))
+        pid = os.fork()
+        if pid == 0:
+            sock.close()
+            _child(libc, list(fds), mode, payload)
+        for fd in fds:
+            os.close(fd)
+        _, status, usage = os.wait4(pid, 0)
+        try:
+            os.kill(-1, 9)  # SIGKILL to every process of this pid namespace but its init and this server
+        except OSError:
+            pass
+        clean = _settled() and _empty("/tmp") and _empty("/dev/shm")
+        reply = {"status": status, "cpu": usage.ru_utime + usage.ru_stime, "clean": clean}
+        sock.sendall((_dumps(reply) + "\n").encode())
+
+
+def _settled(timeout_s=2.0):
+    """Every process but the namespace's init and this server has ended (a killed process may still finish the
+    system call it was in, a write to /tmp say): only then is /tmp emptied. False if one is still there."""
+    import time
+
+    me, until = os.getpid(), time.monotonic() + timeout_s
+    while True:
+        busy = False
+        for name in os.listdir("/proc"):
+            if name.isdigit() and int(name) not in (1, me):
+                try:
+                    with open(f"/proc/{name}/stat", "rb") as f:
+                        state = f.read().rpartition(b")")[2].split()[0]
+                except (OSError, IndexError):
+                    continue  # gone already
+                busy = busy or state not in (b"Z", b"X")
+        if not busy:
+            return True
+        if time.monotonic() > until:
+            return False
+        time.sleep(0.001)
+
+
+def _empty(top):
+    """Everything a run left under top removed, and top's mode as the sandbox made it; False where that failed
+    (the host then ends this sandbox rather than start another run in it)."""
+    def remove_all(path):
+        for entry in os.scandir(path):
+            if entry.is_dir(follow_symlinks=False):
+                os.chmod(entry.path, 0o700)
+                remove_all(entry.path)
+                os.rmdir(entry.path)
+            else:
+                os.unlink(entry.path)
+    try:
+        os.chmod(top, 0o1777)
+        remove_all(top)
+        return True
+    except BaseException:  # OSError, RecursionError (folders nested past the stack), MemoryError
+        return False
+
+
+def _child(libc, fds, mode, payload):
+    """A forked run: its pipes on 0, 1, 2 and CTL_FD, nothing else of the server's open, then _run; it leaves as
+    an interpreter would (threads joined, atexit functions, streams flushed) and never returns to the server."""
+    code = 1
+    try:
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        os.closerange(RUN_FDS, 1 << 16)
+        prctl(libc, 4, 1)  # dumpable again, as a fresh process is: its own /proc entries are its own
+        os.setsid()  # a process group of its own: a program that signals its group does not reach the server
+        os.chdir("/tmp")
+        try:
+            _run(mode, CTL_FD, payload)
+            code = 0
+        except SystemExit as e:
+            if e.code is None:
+                code = 0
+            elif isinstance(e.code, int):
+                code = e.code & 0xFF
+            else:
+                sys.stderr.write(f"{e.code}\n")
+        try:
+            if "threading" in sys.modules:
+                sys.modules["threading"]._shutdown()
+            import atexit
+
+            atexit._run_exitfuncs()
+        except BaseException as e:
+            _print_exc(e)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except BaseException:
+                code = code or 120  # what an interpreter exits with when it cannot flush at its end
+    except BaseException as e:
+        _print_exc(e)
+    finally:
+        os._exit(code)
 
 
 if __name__ == "__main__":  # as `python -c`; tests import the file for _dumps

@@ -9,6 +9,9 @@ Backends, picked once per process by `backend()`:
   as uid nobody of a namespace of its own, without capabilities; its processes die with the run's pid
   namespace, whatever they do (setsid, double fork, an empty environment). No network: an empty net namespace.
   "unshare" builds that root itself (_inside.py, as root of the new user namespace) before the program starts.
+  Under bwrap, runs go to warm sandboxes (warm.py) where this bwrap can make / read-only and size its tmpfs: a
+  sandbox kept up between runs whose server forks a fresh process for each, one run at a time, and before the
+  next kills every process the run left and empties /tmp and /dev/shm (RECIPE_SANDBOX_WARM=0: a sandbox a run).
 - "rlimit": no namespaces, only the limits, the filter and, as root, a private uid. It can read whatever its
   uid may (the repository and runs/ are usually world-readable), so it never starts by itself: it needs
   RECIPE_SANDBOX_UNISOLATED=1, and then says so loudly. Its folder is removed without following any link the
@@ -16,20 +19,22 @@ Backends, picked once per process by `backend()`:
   /dev/shm removed; without root, processes are found by session and an environment token (not watertight).
 
 On every backend:
-- As root, each run has a private uid (random, high range): sibling runs cannot signal, trace or read each
-  other, and RLIMIT_NPROC counts exactly the run's own processes. Without root, the caller's uid.
+- As root, each run (each warm sandbox, whose runs come one after another) has a private uid (random, high
+  range): sibling runs cannot signal, trace or read each other, and RLIMIT_NPROC counts exactly the run's own
+  processes and the sandbox's. Without root, the caller's uid.
 - rlimits (CPU, address space, processes, file size, open files, no core files), set by the harness
   (_inside.py) on itself once it has read its payload, before any of the program is compiled or run; a limit
   that cannot be set stops the run as a sandbox failure. The sandbox's own processes (bwrap's) do not run under
   them.
 - A seccomp filter (seccomp.py: x86_64 and aarch64) denies ptrace, namespaces and mounts, memfd_create, SysV
-  shared memory, sched_setaffinity (CPU affinity cannot be widened), io_uring, bpf, keyrings, kernel modules,
-  the clock, and every socket but AF_UNIX.
+  IPC and POSIX message queues, sched_setaffinity (CPU affinity cannot be widened), io_uring, bpf, keyrings,
+  kernel modules, the clock, and every socket but AF_UNIX.
 - Memory: RLIMIT_AS per process. What it does not count is bounded too: memfd and SysV shared memory are
   denied, and under the namespaced backends /tmp and /dev/shm are size-capped tmpfs (under "rlimit" the host's
   /dev/shm is bounded only per file, by RLIMIT_FSIZE, and by the cgroup). Where a memory cgroup can be made
-  (cgroup.py), the run's processes together are held to 2x memory_mb + 5x file_mb, shared memory and tmpfs
-  included; an OOM kill there is a "memory" verdict, and the cgroup is one more way every process is killed.
+  (cgroup.py), the run's processes together are held to 2x memory_mb + 5x file_mb (a warm sandbox's: that and
+  its server's warm.SERVER_MB), shared memory and tmpfs included; an OOM kill there is a "memory" verdict, and
+  the cgroup is one more way every process is killed.
 - Deadlines are fixed when they start: the run's at start (wall_s); in a functional run each case's when the
   harness begins it (step_s), and never past `until`, which the caller fixes for the whole group of cases.
   Messages on the control channel (the program can write there too) never move a deadline later.
@@ -48,6 +53,7 @@ import secrets
 import selectors
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -57,7 +63,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from recipe.errors import SandboxError
-from recipe.sandbox import seccomp, unisolated
+from recipe.sandbox import seccomp, unisolated, warm
 from recipe.sandbox.cgroup import Cgroup
 
 NOBODY = 65534
@@ -396,6 +402,12 @@ def _seccomp_filter() -> bytes | None:
     return _filter or None
 
 
+def _run_env(token: str) -> dict:
+    return {"PATH": PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONHASHSEED": "0",
+            "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1", "RECIPE_SANDBOX_RUN": token,
+            "HOME": "/tmp", "TMPDIR": "/tmp"}
+
+
 def execute(payload: dict, stdin: str, limits: Limits, mode: str, use: str | None = None,
             step_s: float | None = None, cpu_s: float | None = None, until: float | None = None,
             ) -> tuple[RunResult, list[dict]]:
@@ -408,13 +420,18 @@ def execute(payload: dict, stdin: str, limits: Limits, mode: str, use: str | Non
     """
     use = use or backend()
     cpu_s = limits.cpu_s if cpu_s is None else cpu_s
+    payload = dict(payload)
+    if "cases" in payload:  # a function gets JSON's values (lists, string keys), as the tests' files give them
+        payload["cases"] = json.loads(json.dumps(payload["cases"]))
+    if use == "bwrap" and warm.enabled() and {"--remount-ro", "--size"} <= _bwrap_features():
+        try:
+            return _execute_warm(payload, stdin, limits, mode, step_s, cpu_s, until)
+        except warm.WarmStartError as e:
+            warm.disable(str(e))
     exe = interpreter()
     filt = _seccomp_filter()
-    payload = dict(payload)
     token = uuid.uuid4().hex
-    env = {"PATH": PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONHASHSEED": "0",
-           "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1", "RECIPE_SANDBOX_RUN": token,
-           "HOME": "/tmp", "TMPDIR": "/tmp"}
+    env = _run_env(token)
     start = time.monotonic()
     uid = _take_uid()
     opened: list[int] = []
@@ -437,12 +454,9 @@ def execute(payload: dict, stdin: str, limits: Limits, mode: str, use: str | Non
             env.update(HOME=workdir.home, TMPDIR=workdir.home)
         if filt and use != "bwrap":
             payload["seccomp"] = filt.hex()
-        payload["rlimits"] = [[f"RLIMIT_{k.upper()}", soft, hard] for k, (soft, hard) in
-                              _rlimits(limits, cpu_s, uid).items()]
+        payload["rlimits"] = _rlimit_list(limits, cpu_s, uid)
         ctl_r, ctl_w = os.pipe()
         opened += [ctl_r, ctl_w]
-        if "cases" in payload:  # a function gets JSON's values (lists, string keys), as the tests' files give them
-            payload["cases"] = json.loads(json.dumps(payload["cases"]))
         src = _memfd("sandbox-payload", marshal.dumps(payload, MARSHAL_VERSION))
         opened.append(src)
         stdin_fd = _memfd("sandbox-stdin", stdin.encode()) if stdin else subprocess.DEVNULL
@@ -451,12 +465,7 @@ def execute(payload: dict, stdin: str, limits: Limits, mode: str, use: str | Non
         cmd = cgroup.join() if cgroup else []
         if uid is not None:
             cmd += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
-        harness = [INSIDE, mode, str(ctl_w), str(src)]
-        code = _harness_code(exe)
-        if code is not None:  # the same harness from its code object (BOOT reads it from argv[4])
-            opened.append(_memfd("sandbox-harness", code))
-            harness = [BOOT, mode, str(ctl_w), str(src), str(opened[-1])]
-        cmd += sandbox + [exe, *PYTHON_FLAGS, "-c"] + harness
+        cmd += sandbox + [exe, *PYTHON_FLAGS, "-c"] + _harness_args(exe, [mode, str(ctl_w), str(src)], opened)
         with _OnCores():
             proc = subprocess.Popen(cmd, stdin=stdin_fd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=cwd,
                                     env=env, pass_fds=[fd for fd in opened if fd != ctl_r], start_new_session=True)
@@ -470,51 +479,11 @@ def execute(payload: dict, stdin: str, limits: Limits, mode: str, use: str | Non
         if fd != ctl_r:
             os.close(fd)
 
-    out, err, ctl = _Stream(limits.output_bytes), _Stream(limits.output_bytes), _Stream(CONTROL_BYTES)
-    streams = {proc.stdout.fileno(): out, proc.stderr.fileno(): err, ctl_r: ctl}
-    sel = selectors.DefaultSelector()
-    for fd in streams:
-        sel.register(fd, selectors.EVENT_READ)
-    ceiling = math.inf if until is None else until
-    deadline = min(ceiling, start + limits.wall_s)  # the sandbox's start and, for a script, the whole run
-    due = [c[0] for c in payload.get("cases", [])]
-    up, begun = False, 0  # the harness said "started"; cases it began
-    messages, line, timed_out, exited_at = [], bytearray(), False, None
+    run = _Watch(limits, start, step_s, until, payload, proc.stdout.fileno(), proc.stderr.fileno(), ctl_r)
     try:
-        while True:
-            now = time.monotonic()
-            if now >= deadline:
-                timed_out = True
-                break
-            if exited_at is None and _exited(proc.pid):
-                exited_at = now
-                _killpg(proc.pid)  # children still holding the pipes go with it
-            if exited_at is not None and (not sel.get_map() or now - exited_at > EXIT_GRACE_S):
-                break
-            if not sel.get_map():  # it closed its output but runs on: its verdict waits for its end
-                time.sleep(min(deadline - now, 0.02))
-                continue
-            for key, _ in sel.select(timeout=min(deadline - now, 0.1)):
-                chunk = os.read(key.fd, 1 << 16)
-                if not chunk:
-                    sel.unregister(key.fd)
-                    continue
-                streams[key.fd].feed(chunk)
-                if key.fd != ctl_r or ctl.truncated:
-                    continue
-                line += chunk
-                nl = line.find(b"\n", len(line) - len(chunk))
-                while nl != -1:
-                    msg = _parse(bytes(line[:nl]))
-                    del line[:nl + 1]
-                    if msg is not None:
-                        messages.append(msg)
-                        if step_s is not None and _starts_step(msg, up, due, begun):
-                            deadline = min(ceiling, time.monotonic() + step_s)
-                            begun, up = begun + up, True
-                    nl = line.find(b"\n")
+        run.watch(exited=lambda: _exited(proc.pid), after_exit=lambda: _killpg(proc.pid))
     finally:  # also on an exception here (KeyboardInterrupt): nothing of the program outlives the call
-        sel.close()
+        run.sel.close()
         _killpg(proc.pid)
         if cgroup:
             cgroup.kill_all()
@@ -528,13 +497,189 @@ def execute(payload: dict, stdin: str, limits: Limits, mode: str, use: str | Non
         os.close(ctl_r)
         oom = cgroup.oom_kills() if cgroup else 0
         _finish(use, uid, exe, cgroup, workdir)
+    return run.result(proc.returncode, usage.ru_utime + usage.ru_stime, limits, cpu_s, use, wall, oom)
 
-    stdout = out.data.decode("utf-8", "replace")
-    stderr = err.data.decode("utf-8", "replace")
-    started = any(m.get("started") for m in messages)
-    status, code, reason = _verdict(started, timed_out, proc.returncode, usage.ru_utime + usage.ru_stime,
-                                    stderr, limits, cpu_s, use, wall, oom)
-    return RunResult(status, code, stdout, stderr, out.truncated or err.truncated, wall, reason), messages
+
+def _rlimit_list(limits: Limits, cpu_s: float, uid: int | None) -> list[list]:
+    return [[f"RLIMIT_{k.upper()}", soft, hard] for k, (soft, hard) in _rlimits(limits, cpu_s, uid).items()]
+
+
+def _harness_args(exe: str, args: list[str], opened: list[int]) -> list[str]:
+    """What follows `python -c`: the harness's source and its arguments, or BOOT with the harness's code object
+    in a memfd (appended to opened) as its last argument."""
+    code = _harness_code(exe)
+    if code is None:
+        return [INSIDE, *args]
+    opened.append(_memfd("sandbox-harness", code))
+    return [BOOT, *args, str(opened[-1])]
+
+
+class _Watch:
+    """A run seen from the host: its stdout, stderr and control pipe read as they come (bounded), its deadlines,
+    the harness's messages; then its verdict."""
+
+    def __init__(self, limits: Limits, start: float, step_s: float | None, until: float | None, payload: dict,
+                 out_fd: int, err_fd: int, ctl_fd: int):
+        self.out, self.err, self.ctl = (_Stream(limits.output_bytes), _Stream(limits.output_bytes),
+                                        _Stream(CONTROL_BYTES))
+        self.streams = {out_fd: self.out, err_fd: self.err, ctl_fd: self.ctl}
+        self.ctl_fd, self.step_s = ctl_fd, step_s
+        self.sel = selectors.DefaultSelector()
+        for fd in self.streams:
+            self.sel.register(fd, selectors.EVENT_READ)
+        self.ceiling = math.inf if until is None else until
+        self.deadline = min(self.ceiling, start + limits.wall_s)  # the sandbox's start and, for a script, the run
+        self.due = [c[0] for c in payload.get("cases", [])]
+        self.messages: list[dict] = []
+        self.timed_out = False
+
+    def watch(self, exited, after_exit, other: dict | None = None) -> None:
+        """Until the run has exited (exited() true) and its pipes closed or EXIT_GRACE_S passed, or the deadline.
+        other: {fd: callback} read here too; a callback returns True when the run has exited."""
+        for fd in other or {}:
+            self.sel.register(fd, selectors.EVENT_READ)
+        up, begun = False, 0  # the harness said "started"; cases it began
+        line, exited_at = bytearray(), None
+        while True:
+            now = time.monotonic()
+            if now >= self.deadline:
+                self.timed_out = True
+                return
+            if exited_at is None and exited():
+                exited_at = now
+                after_exit()  # children still holding the pipes go with it
+            if exited_at is not None and (not self.sel.get_map() or now - exited_at > EXIT_GRACE_S):
+                return
+            if not self.sel.get_map():  # it closed its output but runs on: its verdict waits for its end
+                time.sleep(min(self.deadline - now, 0.02))
+                continue
+            for key, _ in self.sel.select(timeout=min(self.deadline - now, 0.1)):
+                if other and key.fd in other:
+                    if other[key.fd]():
+                        self.sel.unregister(key.fd)
+                    continue
+                chunk = os.read(key.fd, 1 << 16)
+                if not chunk:
+                    self.sel.unregister(key.fd)
+                    continue
+                self.streams[key.fd].feed(chunk)
+                if key.fd != self.ctl_fd or self.ctl.truncated:
+                    continue
+                line += chunk
+                nl = line.find(b"\n", len(line) - len(chunk))
+                while nl != -1:
+                    msg = _parse(bytes(line[:nl]))
+                    del line[:nl + 1]
+                    if msg is not None:
+                        self.messages.append(msg)
+                        if self.step_s is not None and _starts_step(msg, up, self.due, begun):
+                            self.deadline = min(self.ceiling, time.monotonic() + self.step_s)
+                            begun, up = begun + up, True
+                    nl = line.find(b"\n")
+
+    def result(self, returncode: int, cpu_used: float, limits: Limits, cpu_s: float, use: str, wall: float,
+               oom: int) -> tuple[RunResult, list[dict]]:
+        stdout = self.out.data.decode("utf-8", "replace")
+        stderr = self.err.data.decode("utf-8", "replace")
+        started = any(m.get("started") for m in self.messages)
+        status, code, reason = _verdict(started, self.timed_out, returncode, cpu_used, stderr, limits, cpu_s, use,
+                                        wall, oom)
+        return (RunResult(status, code, stdout, stderr, self.out.truncated or self.err.truncated, wall, reason),
+                self.messages)
+
+
+def _start_warm(key: tuple, limits: Limits) -> warm.WarmSandbox:
+    """A warm sandbox for runs of these limits (warm.py): bwrap as for a cold run, with the server in it."""
+    exe = interpreter()
+    filt = _seccomp_filter()
+    uid = _take_uid()
+    opened: list[int] = []
+    cgroup = None
+    host_end, server_end = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        cgroup = Cgroup.make((2 * limits.memory_mb + 5 * limits.file_mb + warm.SERVER_MB) << 20)
+        if filt:
+            opened.append(_memfd("sandbox-seccomp", filt))
+        cmd = cgroup.join() if cgroup else []
+        if uid is not None:
+            cmd += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+        cmd += _bwrap(_layout(limits, exe), opened[-1] if filt else None)
+        cmd += [exe, *PYTHON_FLAGS, "-c"] + _harness_args(exe, ["serve", str(server_end.fileno()), "-"], opened)
+        with _OnCores():
+            return warm.start(key, cmd, _run_env("warm"), opened + [server_end.fileno()], host_end, cgroup, uid,
+                              release=lambda: _finish("bwrap", uid, exe, cgroup, None))
+    except warm.WarmStartError:
+        raise
+    except OSError as e:
+        host_end.close()
+        _finish("bwrap", uid, exe, cgroup, None)
+        raise warm.WarmStartError(str(e)) from None
+    finally:
+        server_end.close()
+        for fd in opened:
+            os.close(fd)
+
+
+def _execute_warm(payload: dict, stdin: str, limits: Limits, mode: str, step_s: float | None, cpu_s: float,
+                  until: float | None) -> tuple[RunResult, list[dict]]:
+    """execute() in a warm sandbox (warm.py). WarmStartError when none can be started."""
+    key = (interpreter(), limits.memory_mb, limits.file_mb, frozenset(_RUN_ON_CORES or ()))
+    start = time.monotonic()
+    for attempt in (1, 2):  # an idle sandbox may have gone meanwhile (killed from outside): then a new one
+        box = warm.take(key, lambda: _start_warm(key, limits))
+        payload["rlimits"] = _rlimit_list(limits, cpu_s, box.uid)
+        oom_before = box.cgroup.oom_kills() if box.cgroup else 0
+        pipes = [os.pipe() for _ in range(3)]  # stdout, stderr, control: (read, write)
+        stdin_fd = _memfd("sandbox-stdin", stdin.encode()) if stdin else os.open(os.devnull, os.O_RDONLY)
+        try:
+            try:
+                box.submit(marshal.dumps([mode, payload], MARSHAL_VERSION), [stdin_fd] + [w for _, w in pipes])
+            finally:
+                for fd in [stdin_fd] + [w for _, w in pipes]:
+                    os.close(fd)
+            break
+        except OSError as e:
+            for r, _ in pipes:
+                os.close(r)
+            box.close()
+            if attempt == 2:
+                return RunResult("sandbox_error", None, "", "", False, time.monotonic() - start,
+                                 f"sandbox failed to start (bwrap, warm): {e}"), []
+    reply: dict = {}
+    reusable = False
+
+    def answered() -> bool:
+        try:
+            got = box.read_reply()
+        except (OSError, ValueError, EOFError):  # the server is gone: whatever its run did, it ended there
+            reply["status"] = None
+            return True
+        if got is not None:
+            reply.update(got)
+        return got is not None
+
+    run = _Watch(limits, start, step_s, until, payload, pipes[0][0], pipes[1][0], pipes[2][0])
+    try:
+        run.watch(exited=lambda: bool(reply), after_exit=lambda: None, other={box.sock.fileno(): answered})
+        reusable = reply.get("status") is not None and reply.get("clean") is True and not run.timed_out
+    finally:
+        run.sel.close()
+        wall = time.monotonic() - start
+        oom = (box.cgroup.oom_kills() - oom_before) if box.cgroup else 0
+        for r, _ in pipes:
+            os.close(r)
+        if reusable:
+            warm.give_back(box)
+        else:
+            box.close()
+    status = reply.get("status")
+    if status is None:  # killed with its sandbox, as a cold run's pid 1 reports it
+        returncode = 128 + signal.SIGKILL
+    elif os.WIFSIGNALED(status):
+        returncode = 128 + os.WTERMSIG(status)
+    else:
+        returncode = os.waitstatus_to_exitcode(status)
+    return run.result(returncode, float(reply.get("cpu") or 0.0), limits, cpu_s, "bwrap", wall, oom)
 
 
 def _finish(use: str, uid: int | None, exe: str, cgroup: Cgroup | None, workdir: unisolated.Workdir | None) -> None:

@@ -3,10 +3,11 @@
 It denies, with EPERM (so Python raises an ordinary OSError instead of dying), system calls a test program never
 needs and that would let it escape or disturb other runs: tracing and reading other processes, namespaces and
 mounts, kernel modules and keyrings, the clock, memfd (memory that RLIMIT_AS does not count), CPU affinity (a
-program must not widen the cores it was given), io_uring and bpf, SysV shared memory, and sockets other than
-AF_UNIX (no network, whatever the backend). clone3 answers ENOSYS so that libc falls back to clone, whose
-flags the filter can see: clone with a namespace flag is denied like unshare. A system call of another ABI
-(i386 or x32 on x86_64) is denied outright: its numbers differ from those listed here.
+program must not widen the cores it was given), io_uring and bpf, SysV shared memory, semaphores and message
+queues and POSIX message queues (IPC that outlives its process: in a warm sandbox it would reach the next run),
+and sockets other than AF_UNIX (no network, whatever the backend). clone3 answers ENOSYS so that libc falls back
+to clone, whose flags the filter can see: clone with a namespace flag is denied like unshare. A system call of
+another ABI (i386 or x32 on x86_64) is denied outright: its numbers differ from those listed here.
 
 filter_bytes() is the program as struct sock_filter records: what `bwrap --seccomp FD` reads, and what the
 other backends install with prctl(PR_SET_SECCOMP) just before the program starts.
@@ -37,6 +38,7 @@ DENIED = {
     "settimeofday": (164, 170), "clock_settime": (227, 112), "clock_adjtime": (305, 266),
     "adjtimex": (159, 171),
     "memfd_create": (319, 279), "memfd_secret": (447, 447), "shmget": (29, 194),
+    "semget": (64, 190), "msgget": (68, 186), "mq_open": (240, 180),
     "sched_setaffinity": (203, 122),
 }
 SOCKET, CLONE, CLONE3 = {"x86_64": 41, "aarch64": 198}, {"x86_64": 56, "aarch64": 220}, 435
