@@ -1092,8 +1092,9 @@ def test_a_run_ends_as_an_interpreter_would(warm_on, warm_bwrap, monkeypatch):
     assert (warm_box(FAST) is None) != warm_on
 
 
-@pytest.mark.parametrize("name", ["cpu_burn", "background_shells", "memory_bomb", "daemon_setsid_double_fork_empty_env",
-                                  "read_runs_hidden_tests", "net_socket_module", "kill_minus_one", "see_host_processes"])
+@pytest.mark.parametrize("name", ["cpu_burn", "background_shells", "memory_bomb",
+                                  "daemon_setsid_double_fork_empty_env", "read_runs_hidden_tests", "net_socket_module",
+                                  "kill_minus_one", "see_host_processes"])
 def test_cold_bwrap_runs_still_contain(name, warm_bwrap, ctx, monkeypatch):
     """RECIPE_SANDBOX_WARM=0 (or a bwrap that cannot host warm sandboxes): a sandbox per run, as before."""
     from recipe.sandbox import warm
