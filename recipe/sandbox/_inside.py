@@ -350,26 +350,17 @@ def _serve(sock_fd):
 
 
 def _settled(timeout_s=2.0):
-    """Every process but the namespace's init and this server has ended (a killed process may still finish the
-    system call it was in, a write to /tmp say): only then is /tmp emptied. False if one is still there."""
+    """Every process but the namespace's init and this server is gone, reaped by the init: a killed process may
+    still finish the system call it was in (a write to /tmp, say), and one not yet reaped still counts against the
+    next run's RLIMIT_NPROC. Only then is /tmp emptied. False if one is still there."""
     import time
 
     me, until = os.getpid(), time.monotonic() + timeout_s
-    while True:
-        busy = False
-        for name in os.listdir("/proc"):
-            if name.isdigit() and int(name) not in (1, me):
-                try:
-                    with open(f"/proc/{name}/stat", "rb") as f:
-                        state = f.read().rpartition(b")")[2].split()[0]
-                except (OSError, IndexError):
-                    continue  # gone already
-                busy = busy or state not in (b"Z", b"X")
-        if not busy:
-            return True
+    while any(name.isdigit() and int(name) not in (1, me) for name in os.listdir("/proc")):
         if time.monotonic() > until:
             return False
-        time.sleep(0.001)
+        time.sleep(0.0005)
+    return True
 
 
 def _empty(top):
