@@ -387,7 +387,7 @@ def _child(libc, fds, mode, payload):
     an interpreter would (threads joined, atexit functions, streams flushed) and never returns to the server."""
     code = 1
     try:
-        for target, fd in enumerate(fds):
+        for target, fd in enumerate(fds):  # the fds came in above 2, in order: only the first can be 3
             os.dup2(fd, target)
         os.closerange(RUN_FDS, 1 << 16)
         prctl(libc, 4, 1)  # dumpable again, as a fresh process is: its own /proc entries are its own
