@@ -34,6 +34,18 @@ def test_bursts_are_flat_a_rising_floor_is_not_and_warm_up_growth_does_not_count
     assert soak.summarize(_rows([(50, 1.0)]), 200, "trainer")["flat"] is None  # too few samples to say
 
 
+def test_the_warm_sandboxes_are_held_to_the_same_rule_where_the_run_kept_any():
+    # the sandboxes' floor flat, with a run's burst now and then
+    rows = [{"step": s, "rss_mb": {"trainer": 600.0, "engine": 500.0, "sandbox": 100.0 + 30.0 * (s % 10 == 4)}}
+            for s in range(0, 201, 2)]
+    assert [r["role"] for r in soak.summarize_roles(rows, 200)] == ["trainer", "engine", "sandbox"]
+    assert soak.summarize_roles(rows, 200)[2]["flat"] is True
+    leaking = [{**r, "rss_mb": {**r["rss_mb"], "sandbox": 100.0 + r["step"] * 0.5}} for r in rows]
+    assert soak.summarize_roles(leaking, 200)[2]["flat"] is False
+    without = [{**r, "rss_mb": {"trainer": 600.0, "engine": 500.0}} for r in rows]
+    assert [r["role"] for r in soak.summarize_roles(without, 200)] == ["trainer", "engine"]
+
+
 def test_a_short_soak_samples_the_trainer_and_the_engine_process(tmp_path, monkeypatch):
     start = tmp_path / "start_model"
     save_tiny_qa_model(start)

@@ -3,7 +3,7 @@
 Runs rl.soak_steps steps of the RL loop (asynchronous, as `make rl`) from the SFT model into
 runs/<preset>/bench/soak/, while a thread samples RSS every rl.soak_sample_s seconds: the stage's own process
 (trainer and orchestrator), the engine process, and the sandbox's processes (the warm sandboxes and the runs
-they fork) summed as one role.
+they fork) summed as one role, held to the same rule as the other two where there are any.
 After a warm-up (the first fifth of the steps: allocator pools, the engine's caches and the optimizer state fill
 up), each role's floor (its lowest RSS in each window of WINDOW_STEPS steps: what it keeps between bursts of
 work) is fitted with a least-squares line against step; a role is flat when the line rises by less than
@@ -131,6 +131,14 @@ def summarize(rows: list[dict], steps: int, role: str) -> dict:
             "flat": growth <= bound}
 
 
+def summarize_roles(rows: list[dict], steps: int) -> list[dict]:
+    """The trainer and the engine, and the sandbox's processes where the run kept them up long enough to have a
+    floor (warm sandboxes stay up between runs; a run without code rewards starts none)."""
+    roles = [summarize(rows, steps, r) for r in ("trainer", "engine")]
+    sandbox = summarize(rows, steps, "sandbox")
+    return roles + ([sandbox] if sandbox["flat"] is not None else [])
+
+
 def write_figure(rows: list[dict], png: Path, warm: int) -> None:
     import matplotlib
 
@@ -169,7 +177,7 @@ def run_soak(cfg, start_model: Path, out: Path, figure: Path) -> dict:
     with RSSSampler(cfg.rl.soak_sample_s, step_of, out / "rss.jsonl") as sampler:
         run_rl(run_cfg, out, start_model)
     rows = sampler.rows + [sampler.sample()]  # and one after the last step
-    roles = [summarize(rows, steps, r) for r in ("trainer", "engine")]
+    roles = summarize_roles(rows, steps)
     sandbox = [r["rss_mb"]["sandbox"] for r in rows if "sandbox" in r["rss_mb"]]
     warm = max(1, int(steps * WARMUP_SHARE))
     write_figure(rows, figure, warm)
