@@ -987,8 +987,7 @@ def warm_box(limits: Limits):
     """The idle warm sandbox for runs of these limits (runner._execute_warm's key), or None."""
     from recipe.sandbox import warm
 
-    key = (runner.interpreter(), limits.memory_mb, limits.file_mb, frozenset())
-    idle = warm._idle.get(key) or []
+    idle = warm._idle.get(runner.warm_key(limits)) or []
     assert len(idle) <= 1, idle
     return idle[0] if idle else None
 
@@ -998,10 +997,10 @@ def warm_bwrap(monkeypatch):
     from recipe.sandbox import warm
 
     use_backend(monkeypatch, "bwrap")
-    if not {"--remount-ro", "--size"} <= runner._bwrap_features():
-        pytest.skip("this bwrap cannot make / read-only and size its tmpfs: no warm sandboxes")
     monkeypatch.delenv(warm.SWITCH, raising=False)
     monkeypatch.setattr(warm, "_disabled", None)
+    if not runner.warm_usable():
+        pytest.skip("this bwrap cannot make / read-only and size its tmpfs: no warm sandboxes")
     warm.close_all()
     yield
     warm.close_all()

@@ -14,7 +14,7 @@ from recipe.cores import busy_seconds
 from recipe.errors import StageError
 from recipe.eval.report import write_bench
 from recipe.runs import Began, stage_main
-from recipe.sandbox import Limits, backend, run_python, warm
+from recipe.sandbox import Limits, backend, run_python, runner, warm
 
 PROGRAMS = 200
 WORKERS = 2
@@ -45,7 +45,7 @@ def one_round(programs: int, workers: int) -> dict:
 
 def bench(programs: int = PROGRAMS, workers: int = WORKERS, rounds: int = ROUNDS) -> dict:
     use = backend()  # probe before the clock starts
-    modes = ["warm", "cold"] if use == "bwrap" and warm.enabled() else ["cold"]
+    modes = ["warm", "cold"] if use == "bwrap" and runner.warm_usable() else ["cold"]
     runs = []
     for i in range(rounds * len(modes)):
         mode = modes[i % len(modes)]

@@ -423,7 +423,7 @@ def execute(payload: dict, stdin: str, limits: Limits, mode: str, use: str | Non
     payload = dict(payload)
     if "cases" in payload:  # a function gets JSON's values (lists, string keys), as the tests' files give them
         payload["cases"] = json.loads(json.dumps(payload["cases"]))
-    if use == "bwrap" and warm.enabled() and {"--remount-ro", "--size"} <= _bwrap_features():
+    if use == "bwrap" and warm_usable():
         try:
             return _execute_warm(payload, stdin, limits, mode, step_s, cpu_s, until)
         except warm.WarmStartError as e:
@@ -533,9 +533,10 @@ class _Watch:
         self.messages: list[dict] = []
         self.timed_out = False
 
-    def watch(self, exited, after_exit, other: dict | None = None) -> None:
+    def watch(self, exited, after_exit=None, other: dict | None = None) -> None:
         """Until the run has exited (exited() true) and its pipes closed or EXIT_GRACE_S passed, or the deadline.
-        other: {fd: callback} read here too; a callback returns True when the run has exited."""
+        after_exit: called once it has exited. other: {fd: callback} read here too; a callback returns True when
+        the run has exited."""
         for fd in other or {}:
             self.sel.register(fd, selectors.EVENT_READ)
         up, begun = False, 0  # the harness said "started"; cases it began
@@ -547,7 +548,8 @@ class _Watch:
                 return
             if exited_at is None and exited():
                 exited_at = now
-                after_exit()  # children still holding the pipes go with it
+                if after_exit:
+                    after_exit()  # children still holding the pipes go with it
             if exited_at is not None and (not self.sel.get_map() or now - exited_at > EXIT_GRACE_S):
                 return
             if not self.sel.get_map():  # it closed its output but runs on: its verdict waits for its end
@@ -588,6 +590,16 @@ class _Watch:
                 self.messages)
 
 
+def warm_usable() -> bool:
+    """Warm sandboxes are on and this bwrap can host them (a read-only / and sized tmpfs)."""
+    return warm.enabled() and {"--remount-ro", "--size"} <= _bwrap_features()
+
+
+def warm_key(limits: Limits) -> tuple:
+    """Runs that may share a warm sandbox: the same interpreter, memory and file limits, and cores."""
+    return (interpreter(), limits.memory_mb, limits.file_mb, frozenset(_RUN_ON_CORES or ()))
+
+
 def _start_warm(key: tuple, limits: Limits) -> warm.WarmSandbox:
     """A warm sandbox for runs of these limits (warm.py): bwrap as for a cold run, with the server in it."""
     exe = interpreter()
@@ -623,7 +635,7 @@ def _start_warm(key: tuple, limits: Limits) -> warm.WarmSandbox:
 def _execute_warm(payload: dict, stdin: str, limits: Limits, mode: str, step_s: float | None, cpu_s: float,
                   until: float | None) -> tuple[RunResult, list[dict]]:
     """execute() in a warm sandbox (warm.py). WarmStartError when none can be started."""
-    key = (interpreter(), limits.memory_mb, limits.file_mb, frozenset(_RUN_ON_CORES or ()))
+    key = warm_key(limits)
     start = time.monotonic()
     for attempt in (1, 2):  # an idle sandbox may have gone meanwhile (killed from outside): then a new one
         box = warm.take(key, lambda: _start_warm(key, limits))
@@ -660,7 +672,7 @@ def _execute_warm(payload: dict, stdin: str, limits: Limits, mode: str, step_s: 
 
     run = _Watch(limits, start, step_s, until, payload, pipes[0][0], pipes[1][0], pipes[2][0])
     try:
-        run.watch(exited=lambda: bool(reply), after_exit=lambda: None, other={box.sock.fileno(): answered})
+        run.watch(exited=lambda: bool(reply), other={box.sock.fileno(): answered})
         reusable = reply.get("status") is not None and reply.get("clean") is True and not run.timed_out
     finally:
         run.sel.close()
