@@ -45,8 +45,8 @@ def batches(vocab: int) -> list[list[Sample]]:
             if i % 4 == 1:
                 lp[0] -= 3.0  # ratio about e^3: masked as too high
             mask = [0 if (i == 4 and 3 <= t < 6) else 1 for t in range(n)]  # a tool reply inside sample 4
-            batch.append(Sample([5, 6 + b, 7 + i % 3], comp, lp, mask, (1.0 if (i + b) % 3 else -0.5) - 0.1 * i,
-                                0.0, 0, "math"))
+            advantage = 0.0 if (b, i) == (0, 3) else (1.0 if (i + b) % 3 else -0.5) - 0.1 * i  # 0: skipped, counted
+            batch.append(Sample([5, 6 + b, 7 + i % 3], comp, lp, mask, advantage, 0.0, 0, "math"))
         out.append(batch)
     return out
 

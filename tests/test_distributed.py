@@ -73,8 +73,8 @@ def close(a: dict, b: dict, atol: float) -> float:
 
 # -- the split (no ranks) -------------------------------------------------------------------------------------
 
-def sample(n_prompt: int, n_comp: int, tag: int) -> Sample:
-    return Sample([1] * n_prompt, [2] * n_comp, [-1.0] * n_comp, [1] * n_comp, float(tag), 0.0, 0, "math")
+def sample(n_prompt: int, n_comp: int, tag: int) -> Sample:  # the tag in the advantage, never 0
+    return Sample([1] * n_prompt, [2] * n_comp, [-1.0] * n_comp, [1] * n_comp, float(tag + 1), 0.0, 0, "math")
 
 
 def test_the_split_balances_tokens_deterministically_and_keeps_the_batch_order():
@@ -83,7 +83,7 @@ def test_the_split_balances_tokens_deterministically_and_keeps_the_batch_order()
     for n in (1, 2, 3, 5):
         shares = split_by_tokens(samples, n)
         assert shares == split_by_tokens(samples, n) and len(shares) == n
-        tags = [[s.advantage for s in share] for share in shares]
+        tags = [[s.advantage - 1 for s in share] for share in shares]
         assert sorted(t for share in tags for t in share) == [float(i) for i in range(len(samples))]  # each once
         assert all(share == sorted(share) for share in tags)  # in the batch's order
         loads = [sum(sample_tokens(s) for s in share) for share in shares]
@@ -91,6 +91,11 @@ def test_the_split_balances_tokens_deterministically_and_keeps_the_batch_order()
     loads = [sum(sample_tokens(s) for s in share) for share in split_by_tokens(samples, 2)]
     assert loads == [115, 114]  # longest first onto the lighter share: 229 tokens split 115 / 114
     assert split_by_tokens(samples[:2], 3)[2] == []  # fewer samples than ranks: a rank gets none (and idles)
+    # a sample of advantage 0 costs no pass (train_step skips it): it weighs nothing in the split
+    flat = [Sample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, 0.0, 0.0, 0, "math") for s in samples[:4]]
+    assert [sample_tokens(s) for s in flat] == [0] * 4
+    loads = [sum(sample_tokens(s) for s in share) for share in split_by_tokens(flat + samples, 2)]
+    assert loads == [115, 114]
 
 
 # -- weights files (no ranks) ---------------------------------------------------------------------------------

@@ -72,3 +72,51 @@ def test_trl_rows_follow_the_env_mix():
     chosen = trl_rows(cfg, rows)
     counts = {e: sum(r["env"] == e for r in chosen) for e in ("math", "logic", "code", "tools")}
     assert counts == {"math": 60, "logic": 60, "code": 40, "tools": 0}
+
+
+def test_the_recipe_arm_runs_without_the_filter_and_a_last_run_as_the_preset_filters():
+    from recipe.rl.bench_trl import bench_config, bench_order
+
+    cfg = load_config(["rl.online_filter=true"])
+    assert bench_order(cfg) == ("recipe", "trl", "recipe", "recipe_preset")
+    assert [bench_config(cfg, arm).rl.online_filter for arm in ("recipe", "trl", "recipe_preset")] == [False] * 2 + [True]
+    off = load_config(["rl.online_filter=false"])  # a preset without the filter: the recipe arm is already it
+    assert bench_order(off) == ("recipe", "trl", "recipe")
+    assert not bench_config(off, "recipe_preset").rl.online_filter
+
+
+def test_the_preset_run_is_reported_beside_the_comparison_not_in_it(sft_done, tmp_path, monkeypatch):
+    """The bench's bookkeeping with the four runs (each arm's figures written by a stand-in for its process)."""
+    from recipe.rl import bench_trl
+
+    cfg, args = sft_done
+    args = [a for a in args if a != "rl.online_filter=false"] + ["rl.online_filter=true"]
+    per_s = {"recipe": [150.0, 160.0], "trl": [50.0], "recipe_preset": [120.0]}
+
+    class Child:
+        def __init__(self, target, args):
+            self.arm, self.result_path, self.exitcode = args[1], args[3], 0
+
+        def start(self):
+            rate = per_s[self.arm].pop(0)
+            run = {"arm": self.arm, "trained_per_s": rate, "trained_per_s_steady": rate * 1.2, "cpu_s": 10.0,
+                   "cpu_s_per_trained": 10.0 / 80, "wall_s": 80 / rate, "peak_rss_mb": 500.0,
+                   "peak_rss_all_mb": 900.0, "peak_rss_engine_mb": 0.0 if self.arm == "trl" else 400.0,
+                   "held_out_avg": 0.5, "held_out_se": 0.02, "load_avg_1m_at_end": 1.0,
+                   "generated_completions": 120 if self.arm == "recipe_preset" else 80}
+            write_atomic(__import__("pathlib").Path(self.result_path), json.dumps(run))
+
+        def join(self):
+            pass
+
+    monkeypatch.setattr(bench_trl.multiprocessing, "get_context", lambda kind: type("Ctx", (), {"Process": Child}))
+    monkeypatch.chdir(tmp_path)
+    bench_trl.main(args)
+    out = json.loads((stage_dir(cfg, "bench") / "trl.json").read_text())
+    assert out["order"] == ["recipe", "trl", "recipe", "recipe_preset"]
+    assert out["speedup"] == pytest.approx(155.0 / 50.0)  # the same-samples runs only
+    assert out["arms"]["recipe"]["runs"] == 2 and out["arms"]["recipe_preset"]["speedup"] == pytest.approx(2.4)
+    report = (tmp_path / "runs" / "RESULTS.md").read_text()
+    assert "trains **x3.10** TRL's completions a second" in report
+    assert "| this recipe, the preset's online filter on (1 run) | 120.0 |" in report
+    assert "x2.40 TRL's trained completions a second, 120 completions generated for 8 trained" in report

@@ -374,3 +374,55 @@ def test_shared_prompts_take_the_unshared_step_with_each_prompt_run_once():
     assert g_shared.keys() == g_whole.keys()
     for name in g_whole:
         assert torch.allclose(g_shared[name], g_whole[name], atol=1e-6, rtol=1e-4), name
+
+
+def test_samples_of_advantage_zero_are_not_run_but_counted_and_the_step_is_that_of_running_them():
+    """Where the online filter is off (prime-rl's production run) a group without signal stays in the batch with
+    advantage 0: its loss terms are r * 0, so train_step runs neither its forward nor its backward, and its tokens
+    still count in the normaliser. The reference runs those samples with an advantage of 1e-30 (a gradient
+    far below float32's rounding of the rest). A step whose samples all have advantage 0 still gives the optimizer
+    a zero gradient for every parameter, so AdamW's weight decay moves the weights as it would after running them."""
+    def batch(zero: float):
+        g = torch.Generator().manual_seed(2)
+        rows = []
+        for p, (prompt, advs) in enumerate([([2, 3, 4], (1.0, -1.0, zero)), ([5, 6, 7, 8], (zero, zero, zero)),
+                                            ([9, 10], (-0.5, 0.5, zero))]):
+            for k, a in enumerate(advs):
+                n = 2 + 2 * k
+                comp = torch.randint(2, 64, (n,), generator=g).tolist()
+                rows.append(Sample(prompt, comp, (-3.0 - torch.rand(n, generator=g)).tolist(), [1] * n, a, 0.0, 0,
+                                   "math"))
+        return rows
+
+    def step(rows, share):
+        model = tiny_model()
+        seen = []
+        model.model.embed_tokens.register_forward_hook(lambda m, args, out: seen.append(args[0].numel()))
+        grads = {}
+        for name, p in model.named_parameters():
+            p.register_hook(lambda grad, name=name: grads.__setitem__(name, grads.get(name, 0) + grad))
+        cfg = RLConfig(optimizer="adamw", lr=1e-2, weight_decay=0.1, micro_batch_size=2, share_prompts=share)
+        stats = train_step(model, build_optimizer(model, cfg), [], CPU, rows, cfg, pad_id=1)
+        return stats, grads, sum(seen), {k: v.clone() for k, v in model.state_dict().items()}
+
+    zero_tokens = sum(len(s.completion_ids) for s in batch(0.0) if s.advantage == 0)
+    assert zero_tokens == 6 + (2 + 4 + 6) + 6  # five samples of advantage 0: one in each group, one group all
+    for share in (True, False):
+        (skip, g_skip, t_skip, _), (run, g_run, t_run, _) = step(batch(0.0), share), step(batch(1e-30), share)
+        assert t_skip < t_run  # fewer tokens went through the model
+        assert skip["loss_tokens"] == run["loss_tokens"] == sum(len(s.completion_ids) for s in batch(0.0))
+        assert skip["skipped_tokens"] == zero_tokens and run["skipped_tokens"] == 0
+        assert abs(skip["loss"] - run["loss"]) < 1e-6 and abs(skip["grad_norm"] - run["grad_norm"]) < 1e-5
+        assert g_skip.keys() == g_run.keys()
+        for name in g_run:
+            assert torch.allclose(g_skip[name], g_run[name], atol=1e-7, rtol=1e-4), name
+
+    flat = [s for s in batch(0.0) if s.advantage == 0]
+    (skip, g_skip, t_skip, w_skip), (run, _, _, w_run) = step(flat, True), step(
+        [Sample(s.prompt_ids, s.completion_ids, s.logprobs, s.loss_mask, 1e-30, 0.0, 0, "math") for s in flat], True)
+    assert t_skip == 1 and skip["skipped_tokens"] == zero_tokens  # one token: the pass that gives zero gradients
+    assert set(g_skip) == {n for n, _ in tiny_model().named_parameters()}
+    assert all(float(g.abs().max()) == 0.0 for g in g_skip.values())
+    start = tiny_model().state_dict()
+    assert any(not torch.equal(w_skip[k], start[k]) for k in start)  # weight decay moved them
+    assert all(torch.allclose(w_skip[k], w_run[k], atol=1e-9, rtol=0) for k in w_run)

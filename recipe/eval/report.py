@@ -171,6 +171,10 @@ def sft_bench_section(cfg) -> str:
     return "".join(out)
 
 
+TRL_ARMS = {"recipe": "this recipe", "trl": "TRL GRPOTrainer",
+            "recipe_preset": "this recipe, the preset's online filter on"}  # bench-trl's arms, as the table names them
+
+
 def trl_bench_section(cfg) -> str:
     b = _bench_json(cfg, "trl")
     if b is None:
@@ -186,12 +190,14 @@ def trl_bench_section(cfg) -> str:
            "completions over the median step); CPU s of every process of the arm; peak RSS: of all the arm's "
            "processes together and of the inference engine's (sampled every second), and of the arm's main process "
            "(the kernel's peak). Held-out: avg@"
-           f"{cfg.eval.samples} of the final policy on the same environments. Not equal by design: here groups "
-           "with equal rewards are filtered out and replaced (TRL trains them, at zero advantage: hence *trained* "
-           "completions, with generated ones beside)"
-           + (f" and a prompt whose group's mean reward came out above rl.easy_border ({cfg.rl.easy_border:g}) is "
-              "not drawn again (TRL draws every prompt of an epoch)" if cfg.rl.easy_border is not None else "")
-           + ", generation runs one step ahead (TRL is on-policy) in a "
+           f"{cfg.eval.samples} of the final policy on the same environments. The same samples: this recipe's arm "
+           "runs without the online filter (as the intellect3 preset and prime-rl's production run), so in both "
+           "arms a group whose rewards are all equal stays in the batch at advantage 0; this recipe's trainer "
+           "counts its tokens in the loss's normaliser and skips its forward and backward (a gradient of exactly "
+           "zero), TRL computes them. Not equal by design: "
+           + (f"a prompt whose group's mean reward came out above rl.easy_border ({cfg.rl.easy_border:g}) is "
+              "not drawn again here (TRL draws every prompt of an epoch), " if cfg.rl.easy_border is not None else "")
+           + "generation runs one step ahead (TRL is on-policy) in a "
            "process of its own on one core (TRL generates in-process on both); here a group's prompt is computed "
            "once for its samples, in the engine's prefill and the trainer's forward and backward (TRL computes it "
            "for every sample; the same gradient either way). Both arms run the same model code, "
@@ -200,9 +206,12 @@ def trl_bench_section(cfg) -> str:
            f"{prov['hardware']['cpus']} CPUs, load {loads} at the runs' ends.\n\n",
            "| arm | trained completions/s | steady | generated completions | CPU s | CPU s / trained completion | "
            "peak RSS MB: all / engine / main | held-out avg (± s.e.) |\n", "|---|---|---|---|---|---|---|---|\n"]
-    for arm, name in (("recipe", "this recipe"), ("trl", "TRL GRPOTrainer")):
+    for arm, name in TRL_ARMS.items():
+        if arm not in arms:
+            continue
         r = arms[arm]
-        out.append(f"| {name} | {r['trained_per_s']:.1f} | {r['trained_per_s_steady']:.1f} | "
+        runs = f" ({r['runs']} run{'s' if r['runs'] > 1 else ''})"
+        out.append(f"| {name}{runs} | {r['trained_per_s']:.1f} | {r['trained_per_s_steady']:.1f} | "
                    f"{r['generated_completions']:.0f} | {r['cpu_s']:.0f} | {r['cpu_s_per_trained']:.3f} | "
                    f"{r['peak_rss_all_mb']:.0f} / {r['peak_rss_engine_mb']:.0f} / {r['peak_rss_mb']:.0f} | "
                    f"{r['held_out_avg']:.3f} ± "
@@ -212,6 +221,12 @@ def trl_bench_section(cfg) -> str:
                f"x{arms['trl']['cpu_s_per_trained'] / arms['recipe']['cpu_s_per_trained']:.2f} fewer CPU seconds "
                f"each; held-out difference {b['held_out_gap']:+.3f} (2 s.e. of the difference: "
                f"{b['held_out_two_se']:.3f}; no worse within 2 s.e.: {no_worse}).\n")
+    if "recipe_preset" in arms:
+        p = arms["recipe_preset"]
+        trained = b["steps"] * b["batch_size"] * b["rollouts_per_example"]
+        out.append(f"\nAs the preset trains (`make rl`: groups with equal rewards dropped and more generated until a "
+                   f"batch is full; the last run): x{p['speedup']:.2f} TRL's trained completions a second, "
+                   f"{p['generated_completions']:.0f} completions generated for {trained} trained.\n")
     return "".join(out)
 
 

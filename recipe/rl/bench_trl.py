@@ -8,10 +8,14 @@ on the same decoded text. TRL: loss_type "dapo" (token-level, as here), beta 0 (
 scale_rewards "none" (advantage = reward - group mean, as here), generation with transformers in its own process
 (no vLLM), gradient accumulation giving the same micro-batches.
 
+The recipe arm runs without the online filter (rl.online_filter false, as the intellect3 preset and prime-rl's
+production run), so both arms generate and update on the same samples: a group whose rewards are all equal stays in
+the batch at advantage 0 in both. This recipe's trainer counts such a sample's tokens in the loss's normaliser and
+skips its forward and backward (its gradient is exactly zero, recipe.rl.trainer.train_step); TRL computes them.
+Where the preset filters (the tiny one does: such groups are dropped and more generated until a batch is full), a
+last run, recipe_preset, trains as the preset does, reported beside the comparison with its generated completions.
+
 What cannot be made equal, and how it is counted:
-- Online filter: here groups whose rewards are all equal are dropped and more are generated until a batch is full;
-  TRL trains every group, the flat ones with zero advantage. The figure compared is *trained* completions per
-  second, and generated completions are reported beside it.
 - Asynchrony: here the engine generates step s+1 while the trainer takes step s (max_async_level 1, samples at
   most one step stale); TRL is on-policy, generating and training in turn.
 - Shared prompts: here a group's prompt is prefilled once by the engine and run once by the trainer for all its
@@ -58,12 +62,19 @@ ENVS = ("math", "logic", "code")
 ORDER = ("recipe", "trl", "recipe")
 
 
-def bench_config(cfg):
-    """The preset's RL, for rl.bench_steps steps, on the environments both arms can run, no eval during RL."""
+def bench_order(cfg) -> tuple[str, ...]:
+    """recipe, TRL, recipe; then, where the preset filters groups without signal, one run as the preset trains."""
+    return ORDER + (("recipe_preset",) if cfg.rl.online_filter else ())
+
+
+def bench_config(cfg, arm: str = "recipe"):
+    """The preset's RL, for rl.bench_steps steps, on the environments both arms can run, no eval during RL; the
+    recipe arm without the online filter (the same samples as TRL's), recipe_preset with the preset's."""
     mix = {e: w for e, w in cfg.rl.env_mix.items() if e in ENVS and w > 0}
     if not mix:
         raise ConfigError(f"config error: make bench-trl needs rl.env_mix to weigh one of {list(ENVS)}")
-    run = OmegaConf.merge(cfg, {"rl": {"max_steps": cfg.rl.bench_steps, "eval_every": 0}})
+    run = OmegaConf.merge(cfg, {"rl": {"max_steps": cfg.rl.bench_steps, "eval_every": 0,
+                                       "online_filter": cfg.rl.online_filter and arm == "recipe_preset"}})
     OmegaConf.set_readonly(run, False)
     run.rl.env_mix = mix  # replaced, not merged: the other environments leave the mix
     OmegaConf.set_readonly(run, True)
@@ -153,7 +164,7 @@ def run_trl(cfg, out_dir: Path, start_model: str, rows: list[dict]) -> tuple[Pat
 def run_arm(argv: list[str], arm: str, out_dir: str, result_path: str) -> None:
     """One arm, in a process of its own: train, evaluate, write its figures to result_path."""
 
-    cfg = bench_config(load_config(argv))
+    cfg = bench_config(load_config(argv), arm)
     rl = cfg.rl
     out = Path(out_dir)
     shutil.rmtree(out, ignore_errors=True)
@@ -165,7 +176,7 @@ def run_arm(argv: list[str], arm: str, out_dir: str, result_path: str) -> None:
     # own peak from the parent's pages it was forked with
     with RSSSampler(1.0, lambda: 0, out / "rss.jsonl") as sampler:
         cpu0, t0 = os.times(), time.perf_counter()
-        if arm == "recipe":
+        if arm != "trl":
             model_dir = run_rl(cfg, out, start_model)
             records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
             step_s = [r["step_s"] for r in records[1:]]  # step 1 includes the engine's first fill
@@ -191,6 +202,7 @@ def run_arm(argv: list[str], arm: str, out_dir: str, result_path: str) -> None:
     env_se = [v["stderr"] for v in held_out["env"].values()]
     result = {
         "arm": arm, "steps": steps, "trained_completions": steps * per_step, "generated_completions": generated,
+        "online_filter": rl.online_filter,
         "wall_s": wall, "cpu_s": cpu, "median_step_s": median(step_s),
         "trained_per_s": steps * per_step / wall, "trained_per_s_steady": per_step / median(step_s),
         "cpu_s_per_trained": cpu / (steps * per_step), "peak_rss_mb": peak_self, "peak_rss_all_mb": peak_all,
@@ -210,20 +222,21 @@ def bench(cfg, argv: list[str]) -> None:
     began = Began.now()
     spawn = multiprocessing.get_context("spawn")
     runs = []
-    for i, arm in enumerate(ORDER):
+    order = bench_order(cfg)
+    for i, arm in enumerate(order):
         result_path = bench_dir / f"trl_{i}_{arm}.json"
         result_path.unlink(missing_ok=True)
         child = spawn.Process(target=run_arm, args=(argv, arm, str(bench_dir / f"trl_{i}_{arm}"), str(result_path)))
         child.start()
         child.join()
         if child.exitcode != 0 or not result_path.exists():
-            raise StageError(f"bench-trl: the {arm} run ({i + 1}/{len(ORDER)}) failed (exit code {child.exitcode})")
+            raise StageError(f"bench-trl: the {arm} run ({i + 1}/{len(order)}) failed (exit code {child.exitcode})")
         run = json.loads(result_path.read_text())
         runs.append(run)
-        print(f"bench-trl: run {i + 1}/{len(ORDER)} {arm}: {run['trained_per_s']:.1f} trained completions/s, "
+        print(f"bench-trl: run {i + 1}/{len(order)} {arm}: {run['trained_per_s']:.1f} trained completions/s, "
               f"{run['cpu_s']:.0f} CPU s, held-out {run['held_out_avg']:.3f} ± {run['held_out_se']:.3f}")
     arms = {}
-    for arm in ("recipe", "trl"):
+    for arm in dict.fromkeys(order):
         mine = [r for r in runs if r["arm"] == arm]
         arms[arm] = {k: sum(r[k] for r in mine) / len(mine) for k in
                      ("trained_per_s", "trained_per_s_steady", "cpu_s", "cpu_s_per_trained", "wall_s",
@@ -237,7 +250,11 @@ def bench(cfg, argv: list[str]) -> None:
           f"x{arms['trl']['cpu_s_per_trained'] / arms['recipe']['cpu_s_per_trained']:.2f} fewer; held-out "
           f"{arms['recipe']['held_out_avg']:.3f} against {arms['trl']['held_out_avg']:.3f} (difference {gap:+.3f}, "
           f"2 s.e. {two_se:.3f})")
-    out = {"order": list(ORDER), "runs": runs, "arms": arms, "speedup": speedup, "held_out_gap": gap,
+    if "recipe_preset" in arms:
+        arms["recipe_preset"]["speedup"] = arms["recipe_preset"]["trained_per_s"] / arms["trl"]["trained_per_s"]
+        print(f"bench-trl: with the preset's online filter x{arms['recipe_preset']['speedup']:.2f} TRL's trained "
+              f"completions/s, {arms['recipe_preset']['generated_completions']:.0f} generated")
+    out = {"order": list(order), "runs": runs, "arms": arms, "speedup": speedup, "held_out_gap": gap,
            "held_out_two_se": two_se, "envs": list(bench_config(cfg).rl.env_mix),
            "steps": cfg.rl.bench_steps, "batch_size": cfg.rl.batch_size,
            "rollouts_per_example": cfg.rl.rollouts_per_example, "max_new_tokens": cfg.rl.max_new_tokens}

@@ -140,8 +140,9 @@ def run_stage_on_ranks(cfg, argv: list[str], name: str, requires: tuple[str, ...
 
 
 def sample_tokens(sample) -> int:
-    """What a sample costs the trainer: every token of its forward pass."""
-    return len(sample.prompt_ids) + len(sample.completion_ids)
+    """What a sample costs the trainer: every token of its forward pass; nothing for one of advantage 0, whose
+    passes train_step skips (its gradient is zero)."""
+    return 0 if sample.advantage == 0 else len(sample.prompt_ids) + len(sample.completion_ids)
 
 
 def split_by_tokens(samples: list, n: int) -> list[list]:

@@ -189,6 +189,11 @@ def train_step(model, optimizer, schedulers, device, samples, rl_cfg, pad_id: in
     model.train()
     autocast = compute_dtype not in (None, torch.float32) and not world.distributed
     total_tokens = world.sum([sum(sum(s.loss_mask) for s in samples)])[0]
+    # a sample with advantage 0 (a group without signal where the online filter is off, as in prime-rl's
+    # production run) has loss terms r * 0: its gradient is exactly zero and only its tokens count, in the
+    # normaliser above. Neither its forward nor its backward is run
+    skipped_tokens = sum(sum(s.loss_mask) for s in samples if s.advantage == 0)
+    samples = [s for s in samples if s.advantage != 0]
     # micro-batches of similar lengths pad less (a tool transcript is twice a one-line answer); the loss is a
     # sum normalised by the step's tokens, so the grouping does not change it. Shared prompts (one process):
     # the prompts run once before the micro-batches, which hold the completions only
@@ -198,7 +203,9 @@ def train_step(model, optimizer, schedulers, device, samples, rl_cfg, pad_id: in
     batches = [samples[i:i + rl_cfg.micro_batch_size] for i in range(0, len(samples), rl_cfg.micro_batch_size)]
     # under FSDP2 each forward and backward gathers the layers' shards from every rank, so every rank makes as
     # many passes as the busiest one; the extra ones add nothing to the gradient
-    idle_passes = world.max(len(batches)) - len(batches)
+    # (at least one pass: a step whose every sample was skipped still hands the optimizer a zero gradient, as running
+    # them would; a parameter without a gradient would be left out of AdamW's and Muon's momentum and decay)
+    idle_passes = max(world.max(len(batches)), 1) - len(batches)
     prefix = SharedPrompts(model, samples, pad_id, device, compute_dtype if autocast else None) if shared else None
     totals: dict = {}
     for mb in batches:
@@ -240,11 +247,13 @@ def train_step(model, optimizer, schedulers, device, samples, rl_cfg, pad_id: in
     if world.distributed:  # the step's stats over every rank's share
         totals = {k: v for k, v in zip(STAT_KEYS, world.sum([totals.get(k, 0) for k in STAT_KEYS]))}
         totals = {k: v if k in ("loss", "ratio_sum") else int(v) for k, v in totals.items()}
-    n = max(totals.get("loss_tokens", 0), 1)
+        skipped_tokens = world.sum([skipped_tokens])[0]
+    n = max(totals.get("loss_tokens", 0), 1)  # the shares and the mean ratio: over the tokens run
     return {
         "loss": totals.get("loss", 0.0),
         "grad_norm": float(grad_norm),
-        "loss_tokens": totals.get("loss_tokens", 0),
+        "loss_tokens": totals.get("loss_tokens", 0) + int(skipped_tokens),
+        "skipped_tokens": int(skipped_tokens),
         "masked_share_low": totals.get("masked_low", 0) / n,
         "masked_share_high": totals.get("masked_high", 0) / n,
         "masked_share_sequence": totals.get("masked_sequence_tokens", 0) / n,
