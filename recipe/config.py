@@ -315,7 +315,7 @@ class RLConfig:
     micro_batch_size: int = 64
     bench_steps: int = 40  # steps of each run of `make bench-rl` (levels 0, 1, 2)
     soak_steps: int = 200  # steps of `make soak` (RL with the memory of every process sampled)
-    soak_sample_s: float = 1.0  # seconds between two memory samples of `make soak`
+    soak_sample_s: float = 1.0  # seconds between two memory samples of `make soak` (and of bench-trl's arms)
     pin_cores: bool = True  # hf engine on core 1, trainer on core 0: generation and training on separate cores
     # recompute each decoder layer's activations in the backward (prime-rl train.toml [model.ac] freq = 1): memory
     # for 51200-token samples at the cost of a second forward; off where memory is plenty (tiny)

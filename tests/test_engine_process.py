@@ -328,3 +328,26 @@ def test_waiting_requests_join_a_running_batch_together_not_one_prefill_for_each
     pending = queue(3) + queue(2, cold, first=3) + queue(2, first=5)
     assert [r.id for r in joining_now(engine, Batch(10), pending)] == [0, 1, 2]  # up to another setting
     assert [r.id for r in pending] == [3, 4, 5, 6]
+
+
+def test_the_engine_is_forked_where_that_is_safe_and_spawned_elsewhere_writing_the_same(engine, model_dir, reference):
+    """A forked engine starts from this process's imports; with more than one thread (whose OpenMP pool would be
+    this process's) it is spawned, and either writes what the model does. Both are known to the soak as engines."""
+    from recipe.inference.worker import engine_pids, start_method
+
+    assert start_method(1) == ("fork" if sys.platform == "linux" else "spawn") and start_method(2) == "spawn"
+    assert type(engine.proc).__name__ == ("ForkProcess" if sys.platform == "linux" else "SpawnProcess")
+    spawned = HFEngineProcess(str(model_dir / "model"), threads=2, batch_size=2, start_timeout=120)
+    try:
+        assert type(spawned.proc).__name__ == "SpawnProcess"
+        assert {engine.proc.pid, spawned.proc.pid} <= engine_pids()
+        ps = prompts(reference, 2)
+        expected = reference.generate(ps, GREEDY)
+        for eng in (engine, spawned):
+            eng.update_weights(model_dir / "v0.safetensors", 0)
+            eng.submit([Request(40 + i, p, GREEDY, 0) for i, p in enumerate(ps)])
+            _, done, _ = collect(eng, [40, 41])
+            assert [done[40 + i].token_ids for i in range(2)] == [e.token_ids for e in expected]
+    finally:
+        spawned.close()
+    assert spawned.proc.pid not in engine_pids() and engine.proc.pid in engine_pids()

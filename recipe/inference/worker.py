@@ -15,6 +15,9 @@ that wrote any of it. A request that waited past max_off_policy_steps versions i
 rescheduled (max_off_policy_steps=None: never; rl.staleness=prime_rl, where the orchestrator decides). A request the client
 cancels leaves the queue, or, when it is running, its row leaves the batch at the next decode step (commands are
 read between decode steps); nothing comes back for it.
+
+On Linux the process is forked from the trainer's where that is safe (start_method): it starts with the trainer's
+imports of torch and transformers instead of making its own, about 4 s of a start here.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import time
 import traceback
 from collections import deque
@@ -32,6 +36,25 @@ import torch
 from recipe.inference.engine import Cancelled, Done, Event, Request
 from recipe.inference.hf import DecodeBatch, HFEngine
 from recipe.runs import release_free_memory
+
+
+_live_pids: set[int] = set()  # the engine processes this process started and has not closed
+
+
+def engine_pids() -> frozenset[int]:
+    """The pids of the engine processes this process runs (`make soak` samples their memory as the engine's)."""
+    return frozenset(_live_pids)
+
+
+def start_method(threads: int) -> str:
+    """fork where it is safe, else spawn. Forked, the engine starts without importing torch and transformers
+    again (a bench-trl recipe arm took 27 and 30 s against 36 and 35 spawned: docs/performance.md). Safe here means
+    Linux, CUDA not initialised in this process (a forked child cannot use it) and one thread for the engine: a
+    forked child must not run OpenMP regions with more threads, whose pool is the parent's (torch runs none with
+    one thread, as in its DataLoader's forked workers)."""
+    if sys.platform == "linux" and threads == 1 and not torch.cuda.is_initialized():
+        return "fork"
+    return "spawn"
 
 
 def _die_with_parent() -> None:
@@ -61,6 +84,7 @@ def _worker(model_path, threads, batch_size, max_off_policy_steps, version, cpu,
     _die_with_parent()
     # Ctrl-C reaches the whole process group: the stage stops at its next step and closes this process itself
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # forked: not the stage's handler, which only sets a flag
     parent = os.getppid()
     torch.set_num_threads(threads)
     if cpu is not None and hasattr(os, "sched_setaffinity"):
@@ -139,12 +163,17 @@ class HFEngineProcess:
 
     def __init__(self, model_path: str, threads: int = 1, batch_size: int = 64, max_off_policy_steps: int | None = 8,
                  version: int = 0, cpu: int | None = None, start_timeout: float = 300.0):
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context(start_method(threads))
         self.req_q, self.res_q = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=_worker, daemon=True, args=(
             str(model_path), threads, batch_size, max_off_policy_steps, version, cpu, self.req_q, self.res_q))
         self.proc.start()
-        msg = self._next(timeout=start_timeout)
+        _live_pids.add(self.proc.pid)
+        try:
+            msg = self._next(timeout=start_timeout)
+        except RuntimeError:  # it failed to start: it leaves no pid behind
+            self.close()
+            raise
         if not (isinstance(msg, tuple) and msg[0] == "ready"):
             self.close()
             raise RuntimeError("hf engine process failed to start: timed out")
@@ -188,3 +217,4 @@ class HFEngineProcess:
             self.proc.join(timeout=10)
             if self.proc.is_alive():
                 self.proc.kill()
+        _live_pids.discard(self.proc.pid)

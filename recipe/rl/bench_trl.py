@@ -174,7 +174,7 @@ def run_arm(argv: list[str], arm: str, out_dir: str, result_path: str) -> None:
     per_step = rl.batch_size * rl.rollouts_per_example
     # RSS of this process and its descendants (the engine, sandbox runs), sampled: ru_maxrss cannot tell a child's
     # own peak from the parent's pages it was forked with
-    with RSSSampler(1.0, lambda: 0, out / "rss.jsonl") as sampler:
+    with RSSSampler(rl.soak_sample_s, lambda: 0, out / "rss.jsonl") as sampler:
         cpu0, t0 = os.times(), time.perf_counter()
         if arm != "trl":
             model_dir = run_rl(cfg, out, start_model)

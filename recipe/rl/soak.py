@@ -24,6 +24,7 @@ import psutil
 from omegaconf import OmegaConf
 
 from recipe.eval.report import write_bench
+from recipe.inference.worker import engine_pids
 from recipe.rl.loop import run_rl
 from recipe.runs import Began, require_done, stage_dir, stage_main
 
@@ -44,10 +45,12 @@ def _role(proc: psutil.Process, me: int, my_cmdline: list[str]) -> str:
     # a child that is still the stage's own command line is a fork that has not yet exec'd its program (the
     # sandbox's launcher): its pages are the trainer's, shared copy-on-write, and counting them would count the
     # trainer twice
+    if proc.pid in engine_pids():  # the hf engine process (forked, it has the stage's command line too)
+        return "engine"
     if cmdline == my_cmdline:
         return "fork"
     cmd = " ".join(cmdline)
-    # the hf engine is a spawned multiprocessing child; multiprocessing's resource tracker is a helper;
+    # a spawned hf engine (recipe.inference.worker.start_method); multiprocessing's resource tracker is a helper;
     # everything else the stage starts is a sandbox run (code rewards, the python tool)
     if "spawn_main" in cmd:
         return "engine"
