@@ -351,3 +351,17 @@ def test_the_engine_is_forked_where_that_is_safe_and_spawned_elsewhere_writing_t
     finally:
         spawned.close()
     assert spawned.proc.pid not in engine_pids() and engine.proc.pid in engine_pids()
+
+
+def test_a_rank_with_a_process_group_spawns_its_engine(tmp_path):
+    """A forked engine would hold the rank's collective sockets and threads: under a process group, spawn."""
+    import torch.distributed as dist
+
+    from recipe.inference.worker import start_method
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        assert start_method(1) == "spawn"
+    finally:
+        dist.destroy_process_group()
+    assert start_method(1) == ("fork" if sys.platform == "linux" else "spawn")

@@ -49,10 +49,12 @@ def engine_pids() -> frozenset[int]:
 def start_method(threads: int) -> str:
     """fork where it is safe, else spawn. Forked, the engine starts without importing torch and transformers
     again (a bench-trl recipe arm took 27 and 30 s against 36 and 35 spawned: docs/performance.md). Safe here means
-    Linux, CUDA not initialised in this process (a forked child cannot use it) and one thread for the engine: a
-    forked child must not run OpenMP regions with more threads, whose pool is the parent's (torch runs none with
-    one thread, as in its DataLoader's forked workers)."""
-    if sys.platform == "linux" and threads == 1 and not torch.cuda.is_initialized():
+    Linux; one thread for the engine (a forked child must not run OpenMP regions with more threads, whose pool is
+    the parent's; torch runs none with one thread, as in its DataLoader's forked workers); CUDA not initialised (a
+    forked child cannot use it); and no process group (a rank's collective threads and sockets are not the
+    engine's to hold)."""
+    grouped = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if sys.platform == "linux" and threads == 1 and not torch.cuda.is_initialized() and not grouped:
         return "fork"
     return "spawn"
 
