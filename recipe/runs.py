@@ -290,16 +290,27 @@ class StageLock:
     The holder writes who it is (pid, host, start time, command) into the file; a second run reads that and stops
     with a StageError naming it. The OS drops the lock when the holder's process dies, however it dies, so the
     file a killed run leaves behind blocks no one. The file is never removed: removing it would let a third run
-    lock a new file while a second holds the old one."""
+    lock a new file while a second holds the old one. A process forked from the holder (the hf engine) closes its
+    copy of the descriptor at once: the lock is the holder's, and must go when the holder dies."""
+
+    held: set[StageLock] = set()
 
     def __init__(self, folder: Path, name: str):
         self.path = Path(folder) / LOCK_NAME
         self.name = name
         self.fd: int | None = None
 
+    @classmethod
+    def _close_in_child(cls) -> None:
+        for lock in cls.held:
+            with contextlib.suppress(OSError):
+                os.close(lock.fd)
+            lock.fd = None
+        cls.held.clear()
+
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited by spawned processes
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # closed on exec; a fork closes it: _close_in_child
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # BlockingIOError: another process holds it
@@ -314,6 +325,7 @@ class StageLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info, sort_keys=True) + "\n").encode(), 0)
         self.fd = fd
+        StageLock.held.add(self)
 
     @staticmethod
     def _holder(fd: int) -> str:
@@ -324,10 +336,14 @@ class StageLock:
             return "holder unknown"
 
     def release(self) -> None:
+        StageLock.held.discard(self)
         if self.fd is not None:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
             self.fd = None
+
+
+os.register_at_fork(after_in_child=StageLock._close_in_child)
 
 
 def provenance(cfg, stage: str, cfg_hash: str, began: Began | None, inputs: dict, outputs: dict,

@@ -219,6 +219,40 @@ def test_a_second_run_on_a_held_folder_names_the_holder_and_a_killed_holder_bloc
     assert Stage(cfg, "data").is_done() and json.loads(lock.read_text())["pid"] == os.getpid()
 
 
+def test_a_process_forked_from_the_holder_does_not_keep_its_lock(tmp_path):
+    """The hf engine is forked from the stage's process: it closes its copy of the lock's descriptor, so a holder
+    killed while its fork still runs blocks no one (the fork ends with it soon after, but not at the same instant)."""
+    from recipe.runs import StageLock
+
+    lock = StageLock(tmp_path, "rl")
+    lock.acquire()
+    fd = lock.fd
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:  # the fork: says whether it still has the descriptor, then lives on a while
+        os.close(read)
+        try:
+            os.fstat(fd)
+            os.write(write, b"open")
+        except OSError:
+            os.write(write, b"closed")
+        time.sleep(5)
+        os._exit(0)
+    try:
+        os.close(write)
+        assert os.read(read, 16) == b"closed" and lock.fd == fd
+        os.close(lock.fd)  # the holder dies (no unlock) while its fork runs
+        lock.fd = None
+        StageLock.held.discard(lock)
+        again = StageLock(tmp_path, "rl")
+        again.acquire()  # would raise StageError ("in use by another run") were the fork holding it
+        again.release()
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        os.close(read)
+
+
 # -- SIGTERM -----------------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
