@@ -47,9 +47,10 @@ def test_the_warm_sandboxes_are_held_to_the_same_rule_where_the_run_kept_any():
 
 
 def test_a_short_soak_samples_the_trainer_and_the_engine_process(tmp_path, monkeypatch):
+    # sampled every 0.02 s: the forked engine starts at once, and 5 tiny steps can take well under a second
     start = tmp_path / "start_model"
     save_tiny_qa_model(start)
-    cfg = load_config([f"run_root={tmp_path / 'runs'}", "rl.soak_steps=5", "rl.soak_sample_s=0.2",
+    cfg = load_config([f"run_root={tmp_path / 'runs'}", "rl.soak_steps=5", "rl.soak_sample_s=0.02",
                        "rl.batch_size=2", "rl.rollouts_per_example=2", "rl.max_new_tokens=8",
                        "rl.micro_batch_size=4", "rl.pin_cores=false", "rl.engine=hf",
                        "~rl.env_mix.logic", "~rl.env_mix.code", "~rl.env_mix.tools", "rl.env_mix.math=1.0"])

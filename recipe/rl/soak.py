@@ -80,6 +80,8 @@ class RSSSampler:
                 mb = p.memory_info().rss / MB
             except psutil.Error:  # a sandbox run that ended between listing and reading
                 continue
+            if mb == 0:  # exiting (its memory already given back) or exited and not yet reaped, as a closed engine
+                continue
             role = _role(p, me, mine)
             procs[role] = procs.get(role, 0) + 1
             if role != "fork":
