@@ -3,6 +3,7 @@ a process of its own, trained for the same steps of the same batch, each final p
 and RESULTS.md's section carry the figures. What is compared is checked here, not the speed itself: on a random
 model the ratio means nothing (`make bench-trl` on the tiny preset gives it, in RESULTS.md)."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -107,7 +108,7 @@ def test_the_preset_run_is_reported_beside_the_comparison_not_in_it(sft_done, tm
                    "peak_rss_all_mb": 900.0, "peak_rss_engine_mb": 0.0 if self.arm == "trl" else 400.0,
                    "held_out_avg": 0.5, "held_out_se": 0.02, "load_avg_1m_at_end": 1.0,
                    "generated_completions": 120 if self.arm == "recipe_preset" else 80}
-            write_atomic(__import__("pathlib").Path(self.result_path), json.dumps(run))
+            write_atomic(Path(self.result_path), json.dumps(run))
 
         def join(self):
             pass

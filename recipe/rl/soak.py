@@ -42,11 +42,11 @@ def _role(proc: psutil.Process, me: int, my_cmdline: list[str]) -> str:
         cmdline = proc.cmdline()
     except psutil.Error:
         return "other"
+    if proc.pid in engine_pids():  # the hf engine process (forked, it has the stage's command line too)
+        return "engine"
     # a child that is still the stage's own command line is a fork that has not yet exec'd its program (the
     # sandbox's launcher): its pages are the trainer's, shared copy-on-write, and counting them would count the
     # trainer twice
-    if proc.pid in engine_pids():  # the hf engine process (forked, it has the stage's command line too)
-        return "engine"
     if cmdline == my_cmdline:
         return "fork"
     cmd = " ".join(cmdline)
