@@ -42,7 +42,7 @@ def _role(proc: psutil.Process, me: int, my_cmdline: list[str]) -> str:
         cmdline = proc.cmdline()
     except psutil.Error:
         return "other"
-    if proc.pid in engine_pids():  # the hf engine process (forked, it has the stage's command line too)
+    if proc.pid in engine_pids():  # the hf engine process, forked (the stage's command line) or spawned
         return "engine"
     # a child that is still the stage's own command line is a fork that has not yet exec'd its program (the
     # sandbox's launcher): its pages are the trainer's, shared copy-on-write, and counting them would count the
@@ -50,10 +50,8 @@ def _role(proc: psutil.Process, me: int, my_cmdline: list[str]) -> str:
     if cmdline == my_cmdline:
         return "fork"
     cmd = " ".join(cmdline)
-    # a spawned hf engine (recipe.inference.worker.start_method); multiprocessing's resource tracker is a helper;
-    # everything else the stage starts is a sandbox run (code rewards, the python tool)
-    if "spawn_main" in cmd:
-        return "engine"
+    # multiprocessing's resource tracker is a helper; everything else the stage starts is a sandbox run (code
+    # rewards, the python tool)
     if "multiprocessing" in cmd:
         return "helper"
     return "sandbox"
