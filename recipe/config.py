@@ -312,7 +312,7 @@ class RLConfig:
     gen_batch_size: int = 64  # requests the hf engine generates together
     gen_threads: int = 1
     train_threads: int = 1
-    micro_batch_size: int = 64
+    micro_batch_size: int = 64  # samples a forward and backward pass of the trainer holds (memory, not the gradient)
     bench_steps: int = 40  # steps of each run of `make bench-rl` (levels 0, 1, 2)
     soak_steps: int = 200  # steps of `make soak` (RL with the memory of every process sampled)
     soak_sample_s: float = 1.0  # seconds between two memory samples of `make soak` (and of bench-trl's arms)

@@ -346,7 +346,10 @@ def test_shared_prompts_take_the_unshared_step_with_each_prompt_run_once():
     """rl.share_prompts: a group's samples share their prompt, whose forward runs once a step (keys, values and
     last logits read by every completion); the loss, gradient and step are those of running every sample whole.
     Prompts of different lengths, completions of 1 to 7 tokens, environment tokens (loss mask 0) inside. (The
-    gradients, not the weights after Adam: a key bias has a zero gradient, whose rounding noise Adam scales up.)"""
+    gradients, not the weights after Adam: a key bias has a zero gradient, whose rounding noise Adam scales up.)
+    The completions go end to end in passes of micro_batch_size samples: 4 (three passes, a call to sdpa each) and 9
+    (one pass, two calls of ROWS_PER_CALL rows and of 1)."""
+    from recipe.model.attention import ROWS_PER_CALL
     g = torch.Generator().manual_seed(1)
     batch = []
     for p, prompt in enumerate([[2, 3, 4], [5, 6, 7, 8, 9, 10], [11, 12, 13, 14, 15, 16, 17, 18, 19]]):
@@ -354,26 +357,31 @@ def test_shared_prompts_take_the_unshared_step_with_each_prompt_run_once():
             comp = torch.randint(2, 64, (n,), generator=g).tolist()
             mask = [0 if (n > 3 and i == 2) else 1 for i in range(n)]
             batch.append(Sample(prompt, comp, (-3.0 - torch.rand(n, generator=g)).tolist(), mask,
-                                float(k - 1) + 0.3 * p, 0.0, 0, "math"))
+                                float(k) - 0.9 + 0.3 * p, 0.0, 0, "math"))  # none 0: all 9 run
     runs = []
-    for share in (True, False):
+    for share, micro in ((True, 4), (True, 9), (False, 4)):
         model = tiny_model()
         tokens = []
         model.model.embed_tokens.register_forward_hook(lambda m, args, out: tokens.append(args[0].shape))
         grads = {}
         for name, p in model.named_parameters():
             p.register_hook(lambda grad, name=name: grads.__setitem__(name, grads.get(name, 0) + grad))
-        cfg = RLConfig(lr=1e-3, micro_batch_size=4, share_prompts=share)
+        cfg = RLConfig(lr=1e-3, micro_batch_size=micro, share_prompts=share)
         stats = train_step(model, build_optimizer(model, cfg), [], CPU, batch, cfg, pad_id=1)
         runs.append((stats, grads, tokens))
-    (shared, g_shared, t_shared), (whole, g_whole, t_whole) = runs
-    assert t_shared[0] == (3, 9)  # first the three prompts, once each (padded to the longest)
-    assert sum(s.numel() for s in t_shared) < sum(s.numel() for s in t_whole)
-    assert abs(shared["loss"] - whole["loss"]) < 1e-6 and shared["loss_tokens"] == whole["loss_tokens"]
-    assert abs(shared["grad_norm"] - whole["grad_norm"]) < 1e-5 * whole["grad_norm"]
-    assert g_shared.keys() == g_whole.keys()
-    for name in g_whole:
-        assert torch.allclose(g_shared[name], g_whole[name], atol=1e-6, rtol=1e-4), name
+    whole, g_whole, t_whole = runs[-1]
+    assert ROWS_PER_CALL < 9
+    for (shared, g_shared, t_shared), passes in zip(runs[:2], (3, 1)):
+        assert t_shared[0] == (3, 9)  # first the three prompts, once each (padded to the longest)
+        # then the completions end to end, no padding: 9 samples of 1 + 4 + 7 tokens each
+        assert len(t_shared) == 1 + passes and all(s[0] == 1 for s in t_shared[1:])
+        assert sum(s[1] for s in t_shared[1:]) == 3 * (1 + 4 + 7)
+        assert sum(s.numel() for s in t_shared) < sum(s.numel() for s in t_whole)
+        assert abs(shared["loss"] - whole["loss"]) < 1e-6 and shared["loss_tokens"] == whole["loss_tokens"]
+        assert abs(shared["grad_norm"] - whole["grad_norm"]) < 1e-5 * whole["grad_norm"]
+        assert g_shared.keys() == g_whole.keys()
+        for name in g_whole:
+            assert torch.allclose(g_shared[name], g_whole[name], atol=1e-6, rtol=1e-4), name
 
 
 def test_samples_of_advantage_zero_are_not_run_but_counted_and_the_step_is_that_of_running_them():

@@ -10,9 +10,12 @@ tests/test_trainer.py). Other devices go to transformers' own sdpa unchanged.
 Models load with it wherever the config says sdpa (recipe.model.load_pretrained, build_tiny_model); the name is not
 saved with the model, so a saved folder loads anywhere with the stock sdpa.
 
-sdpa_rows (below): the attention of packed SFT batches, each row within itself.
+sdpa_rows (below): the attention of packed SFT batches, each row within itself; sdpa_prefix: an RL step's completions
+in one pass, each row against its prompt's keys and its own.
 """
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -144,3 +147,85 @@ def rows_mask(batch_size, q_length, kv_length, *args, attention_mask=None, **kwa
 
 AttentionInterface.register(SDPA_ROWS, sdpa_rows_attention)
 AttentionMaskInterface.register(SDPA_ROWS, rows_mask)
+
+
+# The completions of an RL step laid end to end in one sequence (recipe.rl.trainer.SharedPrompts): each attends to
+# its prompt's keys and values, made once in the prompts' pass and read here from that pass's leaves, then causally
+# to its own tokens, never to another completion. The projections, experts and norms see the real tokens only, one
+# pass for many completions instead of a padded micro-batch of 16 each; about 15% off a tiny RL step of 16 prompts x
+# 8 completions on one thread (docs/performance.md). Only attention pads: ROWS_PER_CALL completions of similar
+# length to an sdpa call, each row's prompt keys then its own, masked where a prompt is shorter or a key is later.
+SDPA_PREFIX = "sdpa_prefix"
+
+
+class PrefixRows:
+    """The layout of a flat pass: for each sdpa call, the flat slots of its rows (a padding slot repeats its row's
+    last token), the real ones among them, the rows' prompts and the call's mask; `inverse` puts the calls' real
+    tokens back in the flat order. lengths: [rows] completion tokens (at least 1 each), laid end to end in this
+    order; prompt_rows: [rows] each row's prompt; prompt_kv: keys, values, keys, ... of every layer, each
+    [prompts, kv heads, prompt width, head dim]; prompt_mask: [prompts, prompt width], 1 on real prompt tokens."""
+
+    def __init__(self, lengths: torch.Tensor, prompt_rows: torch.Tensor, prompt_kv: list[torch.Tensor],
+                 prompt_mask: torch.Tensor, rows_per_call: int = ROWS_PER_CALL):
+        device = prompt_mask.device
+        lengths, prompt_rows = lengths.cpu(), prompt_rows.cpu()
+        self.prompt_kv = prompt_kv
+        starts = torch.cumsum(lengths, 0) - lengths
+        prompt_lengths = prompt_mask.sum(1).cpu()
+        order = torch.argsort(lengths, descending=True, stable=True)
+        self.calls, real = [], []
+        for at in range(0, len(order), rows_per_call):
+            rows = order[at:at + rows_per_call]
+            longest, prompt_width = int(lengths[rows].max()), int(prompt_lengths[prompt_rows[rows]].max())
+            column = torch.arange(longest)
+            slots = (starts[rows, None] + torch.minimum(column, lengths[rows, None] - 1)).flatten()
+            is_real = (column < lengths[rows, None]).flatten()
+            prompts = prompt_rows[rows].to(device)
+            # (rows, 1, longest, prompt width + longest): the prompt's real keys, then the row's own up to the query
+            sees_prompt = prompt_mask[prompts, :prompt_width].bool()[:, None, None, :].expand(-1, 1, longest, -1)
+            sees_own = torch.ones(longest, longest, dtype=torch.bool, device=device).tril().expand(len(rows), 1, -1, -1)
+            self.calls.append((slots.to(device), len(rows), longest, is_real.nonzero().flatten().to(device), prompts,
+                               prompt_width, torch.cat([sees_prompt, sees_own], -1)))
+            real.append(slots[is_real])
+        flat = torch.cat(real)
+        self.inverse = torch.empty_like(flat)
+        self.inverse[flat] = torch.arange(len(flat))
+        self.inverse = self.inverse.to(device)
+
+
+def sdpa_prefix_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                          prefix_rows: PrefixRows | None = None, **kwargs):
+    if prefix_rows is None:
+        return sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+    _, heads, width, dim = query.shape  # one sequence: the completions end to end
+    kv_heads = key.shape[1]
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, dim)
+    prompt_keys = prefix_rows.prompt_kv[2 * module.layer_idx]
+    prompt_values = prefix_rows.prompt_kv[2 * module.layer_idx + 1]
+    outs = []
+    for slots, rows, longest, is_real, prompts, prompt_width, mask in prefix_rows.calls:
+        qc, kc, vc = (t.index_select(0, slots).view(rows, longest, t.shape[1], dim).transpose(1, 2) for t in (q, k, v))
+        kc = torch.cat([prompt_keys.index_select(0, prompts)[:, :, :prompt_width].to(kc.dtype), kc], 2)
+        vc = torch.cat([prompt_values.index_select(0, prompts)[:, :, :prompt_width].to(vc.dtype), vc], 2)
+        out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                             enable_gqa=kv_heads != heads)
+        outs.append(out.transpose(1, 2).reshape(rows * longest, heads, dim).index_select(0, is_real))
+    return torch.cat(outs).index_select(0, prefix_rows.inverse).view(1, width, heads, dim), None
+
+
+AttentionInterface.register(SDPA_PREFIX, sdpa_prefix_attention)
+AttentionMaskInterface.register(SDPA_PREFIX, rows_mask)  # the flat pass has no mask; others get sdpa's
+
+
+@contextmanager
+def attention_implementation(model, name: str):
+    """The model's attention set to `name` for the block, then back to what it was (a switch costs about 0.1 ms)."""
+    before = model.config._attn_implementation
+    if before != name:
+        model.set_attn_implementation(name)
+    try:
+        yield
+    finally:
+        if before != name:
+            model.set_attn_implementation(before)

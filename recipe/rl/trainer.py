@@ -28,10 +28,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 from torch.distributed.tensor import DTensor
-from transformers import DynamicCache
 
 from recipe.config import OptimizerKind
 from recipe.errors import StageError
+from recipe.model.attention import SDPA_PREFIX, PrefixRows, attention_implementation
 from recipe.rl.dist import World
 from recipe.rl.loss import completion_logprobs, masked_is_loss
 from recipe.rl.muon import Muon
@@ -133,8 +133,8 @@ def _pad(seqs: list[list], value) -> torch.Tensor:
 class SharedPrompts:
     """The forward pass of a step's prompts, made once for all the samples that share them (a group's samples share
     its prompt): each distinct prompt runs once, its keys and values (every layer) and the logits of its last token
-    become leaves that the completions' micro-batches read through a KV cache, and backward() sends the gradient
-    those leaves gathered back through the prompts' pass. The gradient is the unshared one up to float rounding:
+    become leaves that the completions' passes read (completion_logprobs), and backward() sends the gradient those
+    leaves gathered back through the prompts' pass. The gradient is the unshared one up to float rounding:
     the same attention, positions and tokens, each prompt token computed once instead of once a sample."""
 
     def __init__(self, model, samples, pad_id: int, device, compute_dtype: torch.dtype | None):
@@ -156,19 +156,24 @@ class SharedPrompts:
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=self.compute_dtype is not None)
 
-    def completion_logits(self, mb) -> torch.Tensor:
-        """[len(mb), longest completion, vocab]: the logits that predict each completion token."""
+    def completion_logprobs(self, mb, temperature: float) -> torch.Tensor:
+        """[len(mb), longest completion]: log p of each completion token (0 past a row's end), from one pass over
+        the micro-batch's completions laid end to end (recipe.model.attention.PrefixRows: each reads its prompt's
+        keys and values, then its own tokens), so that no layer but attention runs on padding."""
+        lengths = torch.tensor([len(s.completion_ids) for s in mb], device=self.device)
         rows = torch.tensor([self.row[id(s)] for s in mb], device=self.device)
-        last, kv = self.leaves[0], self.leaves[1:]
-        cache = DynamicCache(ddp_cache_data=[(kv[i][rows], kv[i + 1][rows]) for i in range(0, len(kv), 2)])
-        ids = _pad([s.completion_ids for s in mb], 0).to(self.device)
-        mask = torch.cat([self.mask[rows], _pad([[1] * len(s.completion_ids) for s in mb], 0).to(self.device)], 1)
-        positions = self.lengths[rows].unsqueeze(1) + torch.arange(ids.shape[1], device=self.device)
-        with self._autocast():
-            logits = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                                use_cache=True).logits
+        ids = torch.tensor([t for s in mb for t in s.completion_ids], device=self.device)
+        starts = torch.cumsum(lengths, 0) - lengths
+        owner = torch.repeat_interleave(torch.arange(len(mb), device=self.device), lengths)  # each token's row
+        column = torch.arange(len(ids), device=self.device) - starts[owner]
+        positions = self.lengths[rows][owner] + column
+        layout = PrefixRows(lengths, rows, self.leaves[1:], self.mask)
+        with self._autocast(), attention_implementation(self.model, SDPA_PREFIX):
+            logits = self.model(input_ids=ids[None], position_ids=positions[None], prefix_rows=layout).logits[0]
         # a completion's first token is predicted by its prompt's last position, the others by the token before
-        return torch.cat([last[rows].unsqueeze(1).to(logits.dtype), logits[:, :-1]], 1)
+        before = torch.cat([logits[:1], logits[:-1]]).index_copy(0, starts, self.leaves[0][rows].to(logits.dtype))
+        logp = completion_logprobs(before, ids, temperature)
+        return logp.new_zeros(len(mb), int(lengths.max())).index_put((owner, column), logp)
 
     def backward(self) -> None:
         pairs = [(t, leaf.grad) for t, leaf in zip(self.outputs, self.leaves) if leaf.grad is not None]
@@ -191,12 +196,12 @@ def train_step(model, optimizer, schedulers, device, samples, rl_cfg, pad_id: in
     total_tokens = world.sum([sum(sum(s.loss_mask) for s in samples)])[0]
     # a sample with advantage 0 (a group without signal where the online filter is off, as in prime-rl's
     # production run) has loss terms r * 0: its gradient is exactly zero and only its tokens count, in the
-    # normaliser above. Neither its forward nor its backward is run
+    # normaliser above. Neither its forward nor its backward is run (nor a sample without completion tokens)
     skipped_tokens = sum(sum(s.loss_mask) for s in samples if s.advantage == 0)
-    samples = [s for s in samples if s.advantage != 0]
+    samples = [s for s in samples if s.advantage != 0 and s.completion_ids]
     # micro-batches of similar lengths pad less (a tool transcript is twice a one-line answer); the loss is a
     # sum normalised by the step's tokens, so the grouping does not change it. Shared prompts (one process):
-    # the prompts run once before the micro-batches, which hold the completions only
+    # the prompts run once before the micro-batches, which hold the completions only, end to end
     shared = (rl_cfg.share_prompts and not world.distributed and bool(samples)
               and not getattr(model, "is_gradient_checkpointing", False))  # (a checkpointed forward keeps no cache)
     samples = sorted(samples, key=lambda s: len(s.completion_ids) + (0 if shared else len(s.prompt_ids)))
@@ -211,7 +216,7 @@ def train_step(model, optimizer, schedulers, device, samples, rl_cfg, pad_id: in
     for mb in batches:
         width = max(len(s.completion_ids) for s in mb)
         if prefix is not None:
-            comp_logits = prefix.completion_logits(mb)
+            logp_train = prefix.completion_logprobs(mb, rl_cfg.temperature)
         else:
             input_ids = _pad([s.prompt_ids + s.completion_ids for s in mb], pad_id)
             attention = _pad([[1] * (len(s.prompt_ids) + len(s.completion_ids)) for s in mb], 0)
@@ -221,12 +226,12 @@ def train_step(model, optimizer, schedulers, device, samples, rl_cfg, pad_id: in
             index = _pad([list(range(len(s.prompt_ids) - 1, len(s.prompt_ids) - 1 + len(s.completion_ids)))
                           for s in mb], 0).to(logits.device)
             comp_logits = logits.gather(1, index.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
-        targets = _pad([s.completion_ids for s in mb], pad_id).to(comp_logits.device)
-        logp_train = completion_logprobs(comp_logits, targets, rl_cfg.temperature)
-        logp_infer = _pad([s.logprobs for s in mb], 0.0).to(comp_logits.device).float()
-        loss_mask = _pad([s.loss_mask for s in mb], 0).to(comp_logits.device)
+            targets = _pad([s.completion_ids for s in mb], pad_id).to(comp_logits.device)
+            logp_train = completion_logprobs(comp_logits, targets, rl_cfg.temperature)
+        logp_infer = _pad([s.logprobs for s in mb], 0.0).to(logp_train.device).float()
+        loss_mask = _pad([s.loss_mask for s in mb], 0).to(logp_train.device)
         assert logp_train.shape == (len(mb), width)
-        advantages = torch.tensor([s.advantage for s in mb], device=comp_logits.device, dtype=torch.float32)
+        advantages = torch.tensor([s.advantage for s in mb], device=logp_train.device, dtype=torch.float32)
         loss, stats = masked_is_loss(logp_train, logp_infer, advantages, loss_mask, total_tokens,
                                      rl_cfg.mask_ratio_low, rl_cfg.mask_ratio_high, rl_cfg.sequence_mask_low)
         loss.backward()
