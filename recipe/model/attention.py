@@ -152,9 +152,9 @@ AttentionMaskInterface.register(SDPA_ROWS, rows_mask)
 # The completions of an RL step laid end to end in one sequence (recipe.rl.trainer.SharedPrompts): each attends to
 # its prompt's keys and values, made once in the prompts' pass and read here from that pass's leaves, then causally
 # to its own tokens, never to another completion. The projections, experts and norms see the real tokens only, one
-# pass for many completions instead of a padded micro-batch of 16 each; about 15% off a tiny RL step of 16 prompts x
-# 8 completions on one thread (docs/performance.md). Only attention pads: ROWS_PER_CALL completions of similar
-# length to an sdpa call, each row's prompt keys then its own, masked where a prompt is shorter or a key is later.
+# pass for many completions instead of a padded micro-batch of 16 each: 11 to 18% off a tiny RL trainer step on one
+# thread (docs/performance.md, "RL: a step"). Only attention pads: ROWS_PER_CALL completions of similar length to
+# an sdpa call, each row's prompt keys then its own, masked where a prompt is shorter or a key is later.
 SDPA_PREFIX = "sdpa_prefix"
 
 
