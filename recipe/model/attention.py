@@ -89,21 +89,32 @@ class RowPlan:
         first[::width] = True  # a sequence's first token starts a row whatever its position
         starts = first.nonzero().flatten()  # a row ends where the next starts (every sequence start is one)
         lengths = torch.cat([starts[1:], torch.tensor([batch * width])]) - starts
-        order = torch.argsort(lengths, descending=True, stable=True)
+        calls, inverse = _row_calls(starts, lengths, rows_per_call)
         device = position_ids.device
-        self.calls, real = [], []
-        for at in range(0, len(order), rows_per_call):
-            rows = order[at:at + rows_per_call]
-            longest = int(lengths[rows].max())
-            column = torch.arange(longest)
-            slots = (starts[rows, None] + torch.minimum(column, lengths[rows, None] - 1)).flatten()
-            is_real = (column < lengths[rows, None]).flatten()
-            self.calls.append((slots.to(device), len(rows), longest, is_real.nonzero().flatten().to(device)))
-            real.append(slots[is_real])
-        packed = torch.cat(real)
-        self.inverse = torch.empty_like(packed)
-        self.inverse[packed] = torch.arange(len(packed))
-        self.inverse = self.inverse.to(device)
+        self.calls = [(slots.to(device), len(rows), longest, is_real.nonzero().flatten().to(device))
+                      for rows, longest, slots, is_real in calls]
+        self.inverse = inverse.to(device)
+
+
+def _row_calls(starts: torch.Tensor, lengths: torch.Tensor, rows_per_call: int) -> tuple[list, torch.Tensor]:
+    """Rows of a flat token order (each from `starts`, `lengths` long, at least 1) batched by length, longest first,
+    rows_per_call to an sdpa call: for each call its rows, its longest length, the flat index of every (row,
+    column) slot (a padding slot repeats its row's last token) and which slots are real; and `inverse`, which puts
+    the calls' real tokens back in the flat order."""
+    order = torch.argsort(lengths, descending=True, stable=True)
+    calls, real = [], []
+    for at in range(0, len(order), rows_per_call):
+        rows = order[at:at + rows_per_call]
+        longest = int(lengths[rows].max())
+        column = torch.arange(longest)
+        slots = (starts[rows, None] + torch.minimum(column, lengths[rows, None] - 1)).flatten()
+        is_real = (column < lengths[rows, None]).flatten()
+        calls.append((rows, longest, slots, is_real))
+        real.append(slots[is_real])
+    flat = torch.cat(real)
+    inverse = torch.empty_like(flat)
+    inverse[flat] = torch.arange(len(flat))
+    return calls, inverse
 
 
 def _row_plan(position_ids: torch.Tensor) -> RowPlan:
@@ -170,27 +181,18 @@ class PrefixRows:
         device = prompt_mask.device
         lengths, prompt_rows = lengths.cpu(), prompt_rows.cpu()
         self.prompt_kv = prompt_kv
-        starts = torch.cumsum(lengths, 0) - lengths
         prompt_lengths = prompt_mask.sum(1).cpu()
-        order = torch.argsort(lengths, descending=True, stable=True)
-        self.calls, real = [], []
-        for at in range(0, len(order), rows_per_call):
-            rows = order[at:at + rows_per_call]
-            longest, prompt_width = int(lengths[rows].max()), int(prompt_lengths[prompt_rows[rows]].max())
-            column = torch.arange(longest)
-            slots = (starts[rows, None] + torch.minimum(column, lengths[rows, None] - 1)).flatten()
-            is_real = (column < lengths[rows, None]).flatten()
+        calls, inverse = _row_calls(torch.cumsum(lengths, 0) - lengths, lengths, rows_per_call)
+        self.calls = []
+        for rows, longest, slots, is_real in calls:
+            prompt_width = int(prompt_lengths[prompt_rows[rows]].max())
             prompts = prompt_rows[rows].to(device)
             # (rows, 1, longest, prompt width + longest): the prompt's real keys, then the row's own up to the query
             sees_prompt = prompt_mask[prompts, :prompt_width].bool()[:, None, None, :].expand(-1, 1, longest, -1)
             sees_own = torch.ones(longest, longest, dtype=torch.bool, device=device).tril().expand(len(rows), 1, -1, -1)
             self.calls.append((slots.to(device), len(rows), longest, is_real.nonzero().flatten().to(device), prompts,
                                prompt_width, torch.cat([sees_prompt, sees_own], -1)))
-            real.append(slots[is_real])
-        flat = torch.cat(real)
-        self.inverse = torch.empty_like(flat)
-        self.inverse[flat] = torch.arange(len(flat))
-        self.inverse = self.inverse.to(device)
+        self.inverse = inverse.to(device)
 
 
 def sdpa_prefix_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
