@@ -421,7 +421,7 @@ def test_prime_rl_a_finished_group_older_than_max_async_level_is_used_not_droppe
     orch.start()
     try:
         orch.next_batch(0)  # leaves the next batch in flight
-        wait_until(lambda: orch.ready_groups == 2)  # written by version 0 while the trainer works
+        wait_until(lambda: orch.ready_groups >= 2)  # written by version 0 while the trainer works
         eng.update_weights(None, 2)
         samples, stats = orch.next_batch(3)  # drop_stale would drop both (version 0 < 3 - 1)
     finally:
@@ -430,35 +430,39 @@ def test_prime_rl_a_finished_group_older_than_max_async_level_is_used_not_droppe
     assert all(s.policy_version == 0 for s in samples) and stats["staleness"] == {3: 8}
 
 
-def test_prime_rl_step_n_is_submitted_only_once_the_weights_of_step_n_minus_1_are_on_the_engine():
+def test_prime_rl_batch_n_is_assembled_only_once_the_weights_of_step_n_minus_1_are_on_the_engine():
+    # prime-rl's generate_batch(n) takes each finished group into batch n and submits a new one in its place at
+    # once; the orchestrator goes on to step n + 1 as soon as batch n is full, and waits there for checkpoint n
     fn = answer_by_index(lambda i: {0})
     eng = ScriptedEngine(fn)
     orch = Orchestrator(math_rows(), CharTokenizer(), prime(max_async_level=1), eng, seed=0)
     orch.next_batch(0)
     orch.next_batch(1)  # policy 0 is enough for step 1
     sent = len(eng.sent)
-    assert orch.in_flight_groups == 0  # nothing for step 2 yet: the engine still has policy 0
+    # the groups that replaced batch 1's went out as it was assembled, under policy 0
+    assert orch.in_flight_groups == 2 and all(r.submitted_version == 0 for r in eng.sent)
     with pytest.raises(RuntimeError, match="step 2 waits for policy version 1"):
-        orch.next_batch(2)
-    assert len(eng.sent) == sent
+        orch.next_batch(2)  # they finish, but none joins batch 2 and none is replaced before policy 1
+    assert len(eng.sent) == sent and orch.ready_groups == 2 and orch.in_flight_groups == 0
     eng.update_weights(None, 1)
-    samples, _ = orch.next_batch(2)
-    assert len(samples) == 8 and len(eng.sent) > sent
-    assert all(r.submitted_version == 1 for r in eng.sent[sent:])
+    samples, stats = orch.next_batch(2)
+    assert len(samples) == 8 and stats["staleness"] == {2: 8}  # written by policy 0: two steps back
+    assert len(eng.sent) == sent + 8 and all(r.submitted_version == 1 for r in eng.sent[sent:])
 
-    # with the event loop in a thread: it holds the groups for step 2 until update_weights(1), then sends them
+    # with the event loop in a thread: batch 2 waits, ready, for update_weights(1), and is taken at once then
     eng = ScriptedEngine(fn)
     orch = Orchestrator(math_rows(), CharTokenizer(), prime(max_async_level=1), eng, seed=0)
     orch.start()
     try:
         orch.next_batch(0)
         orch.next_batch(1)
+        wait_until(lambda: orch.ready_groups == 2 and orch.in_flight_groups == 0)
         sent = len(eng.sent)
         time.sleep(0.3)
         assert len(eng.sent) == sent
         eng.update_weights(None, 1)
         wait_until(lambda: len(eng.sent) > sent)
-        assert orch.next_batch(2)[1]["staleness"] == {1: 8}
+        assert orch.next_batch(2)[1]["staleness"] == {2: 8}
     finally:
         orch.close()
     assert all(r.submitted_version == 1 for r in eng.sent[sent:])
@@ -469,3 +473,15 @@ def test_prime_rl_keeps_batch_size_groups_in_flight_or_ready():
     orch = Orchestrator(math_rows(), CharTokenizer(), prime(max_async_level=2, online_filter=False), eng, seed=0)
     orch.next_batch(0)
     assert orch.in_flight_groups + orch.ready_groups == 2  # batch_size, whatever max_async_level (s.py:48)
+
+
+def test_the_state_for_a_checkpoint_is_a_copy_that_later_draws_leave_alone():
+    # the event loop draws prompts on while the trainer writes the checkpoint: the state must be the one taken
+    orch = Orchestrator(math_rows(), CharTokenizer(), prime(max_async_level=1),
+                        ScriptedEngine(answer_by_index(lambda i: {0})), seed=0)
+    orch.next_batch(0)
+    state = orch.state_dict()
+    taken = json.dumps(state, sort_keys=True)
+    for _ in range(3):
+        orch._submit_new_group()
+    assert json.dumps(state, sort_keys=True) == taken and orch.state_dict()["next_gid"] > state["next_gid"]

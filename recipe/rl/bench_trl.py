@@ -16,8 +16,9 @@ Where the preset filters (the tiny one does: such groups are dropped and more ge
 last run, recipe_preset, trains as the preset does, reported beside the comparison with its generated completions.
 
 What cannot be made equal, and how it is counted:
-- Asynchrony: here the engine generates step s+1 while the trainer takes step s (max_async_level 1, samples at
-  most one step stale); TRL is on-policy, generating and training in turn.
+- Asynchrony: here the engine generates the next batches while the trainer takes step s (max_async_level 1 under
+  prime-rl's rule: a group is submitted under policy s - 1 or newer for step s + 1, so samples start at most two
+  policies old and the weights change under running requests); TRL is on-policy, generating and training in turn.
 - Shared prompts: here a group's prompt is prefilled once by the engine and run once by the trainer for all its
   samples (rl.share_prompts; the same gradient); TRL runs it for every sample.
 - Processes: here the engine runs in a process of its own on one core and the trainer on the other; TRL runs

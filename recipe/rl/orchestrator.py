@@ -8,19 +8,25 @@
     finished ones are dropped and counted as stale (groups_stale). The engine itself cancels a request that
     waited past max_off_policy_steps versions before it ran (a Cancelled event; the same samples are resent).
   - prime_rl, as prime-rl's orchestrator does at PR 1272 (src/prime_rl/orchestrator/scheduler.py, below "s.py"):
-    - no group is submitted for step s before the weights of step s - max_async_level are on the engine
-      (s.py:127-140, strict_async_level = true, orchestrator/config.py:541-546: the orchestrator waits for
-      checkpoint step - max_async_level before it goes on);
+    - the orchestrator assembles batches itself, ahead of the trainer: each finished group is taken into the
+      batch of the orchestrator's step s as it comes and a new group is submitted in its place at once
+      (s.py:187-204), and once batch s is full the orchestrator goes on to step s + 1 (orchestrator.py:201,
+      245-265 and 412: it writes batch s for the trainer and goes on), whether or not the trainer has taken
+      batch s. Nothing is taken into batch s, and nothing new submitted, before the weights of step
+      s - max_async_level are on the engine (s.py:127-140, strict_async_level = true,
+      orchestrator/config.py:541-546: step s waits for checkpoint s - max_async_level). So at level 1 the
+      groups of batch s + 1 are submitted under policy s - 1 while the trainer works on step s - 1 or s, and
+      the engine has up to two batches of work ahead of the trainer;
     - every group in flight counts the weight updates it lives through; at an update, a group whose count is
       already > max_off_policy_steps is cancelled on the engine, running requests included, and a new group is
       submitted in its place; the others count one more (s.py:152-172). So a group lives through
       max_off_policy_steps + 1 updates and is cancelled at the next one. (prime-rl cancels the group's asyncio
       task, s.py:158: its HTTP requests are dropped and vLLM aborts them; here Engine.cancel does it.)
     - a finished group is never dropped for its age: each goes into the next batch (s.py:187-204);
-    - batch_size groups are kept in flight or ready (s.py:48 problems_per_batch, oversampling_factor 1.0 in
-      production; s.py:182-183), and each one taken into a batch is replaced at once (s.py:197-204). prime-rl
-      lets all their requests run at once (max_concurrent = 4096 = 256 x 16, configs/int3/prod/orch.toml:5, a
-      semaphore: orchestrator.py:164-166); here the engine's client caps them at rl.gen_batch_size, 4096 in intellect3.
+    - batch_size groups are kept in flight or finished and not yet taken into a batch (s.py:48
+      problems_per_batch, oversampling_factor 1.0 in production; s.py:182-183). prime-rl lets all their
+      requests run at once (max_concurrent = 4096 = 256 x 16, configs/int3/prod/orch.toml:5, a semaphore:
+      orchestrator.py:164-166); here the engine's client caps them at rl.gen_batch_size, 4096 in intellect3.
   max_async_level=0 is the synchronous baseline under either rule: nothing is submitted ahead of the weights it
   must use (prime-rl's level 0 still keeps its groups in flight across the update; here it does not).
 - Filters: the offline pass-rate filter is `make data`'s (data.max_pass_rate): the rows come filtered. Online
@@ -107,7 +113,12 @@ class Orchestrator:
         self.engine = engine
         self.prime_rl = rl_cfg.staleness == "prime_rl"  # (a StrEnum of recipe.config: equal to its string)
         self._seen_version = engine.policy_version  # prime_rl: the updates counted so far end here
-        self._step = 0  # prime_rl: the trainer step the next groups are for (the async gate)
+        self._step = 0  # prime_rl: the step whose batch is being assembled (the async gate)
+        # prime_rl at max_async_level >= 1 assembles batches itself, ahead of the trainer (_assemble)
+        self.pipelined = self.prime_rl and rl_cfg.max_async_level > 0
+        self._assembly_started = False  # from the first next_batch, which says the step it starts at
+        self._assembling: list[Group] = []  # groups taken into the batch of step _step, in finishing order
+        self._batches: deque[list[Group]] = deque()  # assembled batches the trainer has not taken yet
         self.tokenizer = tokenizer
         self.too_long = 0
         bounds = [c for c in (context, rl_cfg.seq_len) if c is not None]
@@ -188,8 +199,8 @@ class Orchestrator:
         return row
 
     def state_dict(self) -> dict:
-        with self._cv:
-            return {"cursor": self.cursor, "epoch": self.epoch, "rng": self.rng.getstate(),
+        with self._cv:  # copies: the event loop draws on while the checkpoint is written
+            return {"cursor": dict(self.cursor), "epoch": dict(self.epoch), "rng": self.rng.getstate(),
                     "next_gid": self.next_gid, "counters": dict(self.counters), "filter_rate": self.filter_rate,
                     "retired": dict(self.retired)}
 
@@ -264,9 +275,31 @@ class Orchestrator:
             self._submit_new_group()
 
     def _gate_closed(self) -> bool:
-        """prime_rl's async gate: nothing new is submitted for step s before policy s - max_async_level is on
-        the engine (s.py:127-140: with strict_async_level it waits for checkpoint step - max_async_level)."""
+        """prime_rl's async gate: while the batch of step s is assembled, nothing is taken into it and nothing
+        new is submitted before policy s - max_async_level is on the engine (s.py:127-140: with
+        strict_async_level the orchestrator's step s waits for checkpoint s - max_async_level)."""
         return self.prime_rl and self.engine.policy_version < self._step - self.cfg.max_async_level
+
+    def _assemble(self) -> bool:
+        """prime_rl at max_async_level >= 1: take finished groups into the batch of step _step as they come, and go
+        on to the next step once it is full (the module docstring: prime-rl's generate_batch and loop), without
+        waiting for the trainer to take the batch. So the groups that replace batch s's are in flight while the
+        trainer still works on step s - 1: up to two batches of work ahead of the trainer, against one when a
+        group joins a batch only once the trainer asks for it (which left the engine idle about 0.1 s of a 0.7 s
+        step in bench-trl's recipe arm: docs/performance.md). The gate bounds it: no group joins batch s before
+        policy s - max_async_level is on the engine. True when a batch got full."""
+        full = False
+        if not (self.pipelined and self._assembly_started):
+            return full
+        while self.ready and not self._gate_closed():
+            self._assembling.append(self.ready.popleft())
+            self._submit_new_group()  # its replacement, also for the group that fills the batch (s.py:197-204)
+            if len(self._assembling) == self.cfg.batch_size:
+                self._batches.append(self._assembling)
+                self._assembling = []
+                self._step += 1
+                full = True
+        return full
 
     def _watch_updates(self) -> None:
         """prime_rl: count the weight updates every group in flight lives through, and at an update cancel and
@@ -309,6 +342,7 @@ class Orchestrator:
         t0 = time.perf_counter()
         self._watch_updates()  # an update seen first: a group it cancels does not finish on this event
         self._on_event(event)  # scoring and tool turns: in the background loop, time spent beside the trainer
+        self._assemble()  # (before the top-up: a group taken into a batch is replaced in the same submit)
         # replacements for the groups this event filtered go out with its tool turns, in one submit (level 0)
         self._top_up(self._need)
         self._flush()
@@ -401,9 +435,10 @@ class Orchestrator:
 
     @property
     def ready_groups(self) -> int:
-        """Scored groups with signal, waiting to be taken into a batch."""
+        """Scored groups with signal the trainer has not taken yet (prime_rl: those already assembled into the
+        next batches too)."""
         with self._cv:
-            return len(self.ready)
+            return len(self.ready) + len(self._assembling) + sum(map(len, self._batches))
 
     @property
     def running(self) -> bool:
@@ -429,6 +464,9 @@ class Orchestrator:
                 with self._cv:
                     if self._stop:
                         return
+                    self._watch_updates()
+                    if self._assemble():  # the gate opened: new weights are on the engine
+                        self._cv.notify_all()
                     self._top_up(self._need)
                     self._flush()
                 event = self.engine.poll(timeout=0.05)
@@ -441,8 +479,9 @@ class Orchestrator:
                 self._error = e
                 self._cv.notify_all()
 
-    def _wait_for_ready(self) -> None:
-        """Block until a scored group is ready (background loop) or poll the engine once (foreground)."""
+    def _wait_for(self, done) -> None:
+        """Block until done() (a scored group ready, or an assembled batch) holds (background loop), or poll the
+        engine once (foreground)."""
         if self._thread is None:
             self._top_up(self._need)
             self._flush()
@@ -457,7 +496,7 @@ class Orchestrator:
             self._handle(event)
             return
         deadline = time.monotonic() + 600
-        while not self.ready and self._error is None:
+        while not done() and self._error is None:
             if not self._thread.is_alive():
                 raise RuntimeError("rl: the orchestrator's event loop stopped")
             if time.monotonic() > deadline:
@@ -469,29 +508,51 @@ class Orchestrator:
     def next_batch(self, step: int) -> tuple[list[Sample], dict]:
         """Block until batch_size usable groups exist for trainer step `step`; returns samples and stats."""
         t0 = time.perf_counter()
-        min_version = step - self.cfg.max_async_level
-        batch: list[Group] = []
         with self._cv:
-            self._step = step
-            while len(batch) < self.cfg.batch_size:
-                while self.ready and len(batch) < self.cfg.batch_size:
-                    g = self.ready.popleft()
-                    if g.version < min_version and not self.prime_rl:  # prime_rl: s.py:187-204 takes it
-                        self.counters["groups_stale"] += 1
-                    else:
-                        batch.append(g)
-                if len(batch) == self.cfg.batch_size:
-                    break
-                self._need = self.cfg.batch_size - len(batch)
-                self._wait_for_ready()
-            self._need = 0
-            self._step = step + 1  # what is submitted from now on is for the next batches
-            if self._thread is None:  # (the background loop tops up by itself)
-                self._top_up(0)  # the next batches' groups generate while the trainer works on this one
-                self._flush()
+            batch = self._assembled_batch(step) if self.pipelined else self._take_ready(step)
             batch.sort(key=lambda g: g.gid)  # the trainer's sample order does not depend on finishing order
             stats = self._batch_stats(batch, step, t0)
         return self._samples(batch), stats
+
+    def _assembled_batch(self, step: int) -> list[Group]:
+        """prime_rl at max_async_level >= 1: the oldest batch the orchestrator assembled (_assemble), once there is
+        one. The first call says which step assembly starts at (a resumed run's first step)."""
+        if not self._assembly_started:
+            self._step, self._assembly_started = step, True
+        self._assemble()
+        while not self._batches:
+            self._wait_for(lambda: self._batches)
+            self._assemble()
+        batch = self._batches.popleft()
+        # a trainer that skips steps (tests) moves assembly on with it
+        self._step = max(self._step, step + 1)
+        if self._thread is None:  # (the background loop tops up by itself)
+            self._top_up(0)
+            self._flush()
+        return batch
+
+    def _take_ready(self, step: int) -> list[Group]:
+        """Ready groups taken into the batch of `step` as the trainer asks for it (drop_stale: those new enough)."""
+        min_version = step - self.cfg.max_async_level
+        batch: list[Group] = []
+        self._step = step
+        while len(batch) < self.cfg.batch_size:
+            while self.ready and len(batch) < self.cfg.batch_size:
+                g = self.ready.popleft()
+                if g.version < min_version and not self.prime_rl:  # prime_rl: s.py:187-204 takes it
+                    self.counters["groups_stale"] += 1
+                else:
+                    batch.append(g)
+            if len(batch) == self.cfg.batch_size:
+                break
+            self._need = self.cfg.batch_size - len(batch)
+            self._wait_for(lambda: self.ready)
+        self._need = 0
+        self._step = step + 1  # what is submitted from now on is for the next batches
+        if self._thread is None:  # (the background loop tops up by itself)
+            self._top_up(0)  # the next batches' groups generate while the trainer works on this one
+            self._flush()
+        return batch
 
     def _samples(self, batch: list[Group]) -> list[Sample]:
         samples = []
