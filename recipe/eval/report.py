@@ -197,10 +197,11 @@ def trl_bench_section(cfg) -> str:
            "zero), TRL computes them. Not equal by design: "
            + (f"a prompt whose group's mean reward came out above rl.easy_border ({cfg.rl.easy_border:g}) is "
               "not drawn again here (TRL draws every prompt of an epoch), " if cfg.rl.easy_border is not None else "")
-           + "generation runs one step ahead (TRL is on-policy) in a "
-           "process of its own on one core (TRL generates in-process on both); here a group's prompt is computed "
-           "once for its samples, in the engine's prefill and the trainer's forward and backward (TRL computes it "
-           "for every sample; the same gradient either way). Both arms run the same model code, "
+           + f"generation runs ahead of the trainer (rl.max_async_level {cfg.rl.max_async_level}, rl.staleness "
+           f"{cfg.rl.staleness}: docs/architecture.md; TRL is on-policy) in a process of its own on one core (TRL "
+           "generates in-process on both); here a group's prompt is computed once for its samples, in the engine's "
+           "prefill and the trainer's forward and backward (TRL computes it for every sample; the same gradient "
+           "either way). Both arms run the same model code, "
            "loaded by this project (sdpa over grouped key/value heads on the CPU: docs/performance.md). "
            f"Commit {_commit(prov)}, "
            f"{prov['hardware']['cpus']} CPUs, load {loads} at the runs' ends.\n\n",
