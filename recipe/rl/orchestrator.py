@@ -66,6 +66,8 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from omegaconf import DictConfig, OmegaConf
+
 from recipe.chat import completion_text, encode_prompt
 from recipe.envs import RewardResult, get_env
 from recipe.envs.judge import judge_from_config
@@ -109,7 +111,9 @@ class Orchestrator:
     def __init__(self, rows: list[dict], tokenizer, rl_cfg, engine: Engine, seed: int, context: int | None = None):
         """`context`: the model's max_position_embeddings (or less, the server's); rl.seq_len bounds it too.
         None and no rl.seq_len: prompts are not checked and requests are not capped."""
-        self.cfg = rl_cfg
+        # a plain RLConfig: reading a field of an OmegaConf node costs about 30 us, and the event loop reads them for
+        # every request it makes (about 1 s of the trainer's core over bench-trl's recipe arm: docs/performance.md)
+        self.cfg = OmegaConf.to_object(rl_cfg) if isinstance(rl_cfg, DictConfig) else rl_cfg
         self.engine = engine
         self.prime_rl = rl_cfg.staleness == "prime_rl"  # (a StrEnum of recipe.config: equal to its string)
         self._seen_version = engine.policy_version  # prime_rl: the updates counted so far end here
