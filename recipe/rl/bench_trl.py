@@ -17,8 +17,9 @@ last run, recipe_preset, trains as the preset does, reported beside the comparis
 
 What cannot be made equal, and how it is counted:
 - Asynchrony: here the engine generates the next batches while the trainer takes step s (max_async_level 1 under
-  prime-rl's rule: a group is submitted under policy s - 1 or newer for step s + 1, so samples start at most two
-  policies old and the weights change under running requests); TRL is on-policy, generating and training in turn.
+  prime-rl's rule: a group for step s + 1 is submitted under policy s - 1, so most samples start two policies old,
+  some three when their group finished behind later ones, and the weights change under running requests); TRL is
+  on-policy, generating and training in turn.
 - Shared prompts: here a group's prompt is prefilled once by the engine and run once by the trainer for all its
   samples (rl.share_prompts; the same gradient); TRL runs it for every sample.
 - Processes: here the engine runs in a process of its own on one core and the trainer on the other; TRL runs

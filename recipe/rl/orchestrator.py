@@ -15,8 +15,9 @@
       batch s. Nothing is taken into batch s, and nothing new submitted, before the weights of step
       s - max_async_level are on the engine (s.py:127-140, strict_async_level = true,
       orchestrator/config.py:541-546: step s waits for checkpoint s - max_async_level). So at level 1 the
-      groups of batch s + 1 are submitted under policy s - 1 while the trainer works on step s - 1 or s, and
-      the engine has up to two batches of work ahead of the trainer;
+      groups of batch s + 1 are submitted under policy s - 1 while the trainer works on step s - 1 or s (a group
+      that finishes behind later ones joins a later batch, older still), and the engine has up to two batches
+      of work ahead of the trainer;
     - every group in flight counts the weight updates it lives through; at an update, a group whose count is
       already > max_off_policy_steps is cancelled on the engine, running requests included, and a new group is
       submitted in its place; the others count one more (s.py:152-172). So a group lives through
