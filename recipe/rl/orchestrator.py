@@ -469,7 +469,6 @@ class Orchestrator:
                 with self._cv:
                     if self._stop:
                         return
-                    self._watch_updates()
                     if self._assemble():  # the gate opened: new weights are on the engine
                         self._cv.notify_all()
                     self._top_up(self._need)
@@ -515,6 +514,9 @@ class Orchestrator:
         t0 = time.perf_counter()
         with self._cv:
             batch = self._assembled_batch(step) if self.pipelined else self._take_ready(step)
+            if self._thread is None:  # (the background loop tops up by itself)
+                self._top_up(0)  # the next batches' groups generate while the trainer works on this one
+                self._flush()
             batch.sort(key=lambda g: g.gid)  # the trainer's sample order does not depend on finishing order
             stats = self._batch_stats(batch, step, t0)
         return self._samples(batch), stats
@@ -531,9 +533,6 @@ class Orchestrator:
         batch = self._batches.popleft()
         # a trainer that skips steps (tests) moves assembly on with it
         self._step = max(self._step, step + 1)
-        if self._thread is None:  # (the background loop tops up by itself)
-            self._top_up(0)
-            self._flush()
         return batch
 
     def _take_ready(self, step: int) -> list[Group]:
@@ -554,9 +553,6 @@ class Orchestrator:
             self._wait_for(lambda: self.ready)
         self._need = 0
         self._step = step + 1  # what is submitted from now on is for the next batches
-        if self._thread is None:  # (the background loop tops up by itself)
-            self._top_up(0)  # the next batches' groups generate while the trainer works on this one
-            self._flush()
         return batch
 
     def _samples(self, batch: list[Group]) -> list[Sample]:
