@@ -526,10 +526,9 @@ class Orchestrator:
         one. The first call says which step assembly starts at (a resumed run's first step)."""
         if not self._assembly_started:
             self._step, self._assembly_started = step, True
-        self._assemble()
+        self._assemble()  # (the gate may have opened since: new weights; after this, events assemble)
         while not self._batches:
             self._wait_for(lambda: self._batches)
-            self._assemble()
         batch = self._batches.popleft()
         # a trainer that skips steps (tests) moves assembly on with it
         self._step = max(self._step, step + 1)
