@@ -846,11 +846,19 @@ def test_one_bad_case_does_not_hide_the_others():
 
 
 def test_sandbox_failure_is_masked_not_scored(monkeypatch):
+    """A sandbox that cannot start (here: no interpreter) is a sandbox failure, not a score, and it is known at
+    once: a warm sandbox whose server exits before it says "ready" does not hold the run for warm.READY_S."""
+    from recipe.sandbox import warm
+
+    monkeypatch.setattr(runner, "_backend", backend())  # chosen with the real interpreter, whatever ran before
+    monkeypatch.setattr(warm, "_disabled", None)  # and warm sandboxes on again for the tests after this one
     monkeypatch.setattr(runner, "_interp", "/nonexistent/python3")
+    t0 = time.monotonic()
     res = run_python("print(1)", limits=FAST)
     assert res.status == "sandbox_error" and res.sandbox_failed and res.returncode is None, res
     report = run_tests("print(1)", [{"input": "", "output": "1"}, {"fn": "f", "args": [], "expected": 1}], FAST)
     assert report.sandbox_error and report.results == ["sandbox_error"] * 2
+    assert time.monotonic() - t0 < warm.READY_S / 3
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2 or not hasattr(os, "sched_setaffinity"), reason="needs 2 cores")
@@ -858,6 +866,8 @@ def test_programs_of_a_pinned_caller_run_on_the_cores_it_names():
     """The RL trainer pins itself to core 0; the programs it scores must not be pinned there with it."""
     code = "import os; print(sorted(os.sched_getaffinity(0)))"
     before = os.sched_getaffinity(0)
+    # a run on every core first: a warm sandbox started there must not take the pinned caller's runs after it
+    assert run_python(code, "", Limits()).stdout.strip() == str(sorted(before))
     os.sched_setaffinity(0, {0})
     try:
         assert run_python(code, "", Limits()).stdout.strip() == "[0]"  # inherited by default

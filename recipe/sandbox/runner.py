@@ -61,6 +61,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from recipe.errors import SandboxError
 from recipe.sandbox import seccomp, unisolated, warm
@@ -290,10 +291,14 @@ def run_on_cores(cores) -> None:
 class _OnCores:
     """Around starting a run: this thread's CPU affinity widened to run_on_cores' cores, and then put back. Linux
     keeps an affinity per thread and a new process takes its creating thread's, so the run starts there without a
-    taskset process (about a millisecond of CPU a run) and the caller's other threads keep theirs."""
+    taskset process (about a millisecond of CPU a run) and the caller's other threads keep theirs. A warm sandbox
+    starts in the starter thread, on the cores of its key."""
+
+    def __init__(self, cores: set[int] | None = None):
+        self.cores = cores
 
     def __enter__(self):
-        self.old, cores = None, _RUN_ON_CORES
+        self.old, cores = None, self.cores if self.cores is not None else _RUN_ON_CORES
         if cores is not None and hasattr(os, "sched_setaffinity"):
             mine = os.sched_getaffinity(0)  # 0: the calling thread
             if mine != cores:
@@ -595,12 +600,24 @@ def warm_usable() -> bool:
     return warm.enabled() and {"--remount-ro", "--size"} <= _bwrap_features()
 
 
-def warm_key(limits: Limits) -> tuple:
+class WarmKey(NamedTuple):
     """Runs that may share a warm sandbox: the same interpreter, memory and file limits, and cores."""
-    return (interpreter(), limits.memory_mb, limits.file_mb, frozenset(_RUN_ON_CORES or ()))
+    interpreter: str
+    memory_mb: int
+    file_mb: int
+    cores: frozenset  # empty where affinity is unknown
 
 
-def _start_warm(key: tuple, limits: Limits) -> warm.WarmSandbox:
+def warm_key(limits: Limits) -> WarmKey:
+    """The cores are run_on_cores', or else the calling thread's, which a cold run inherits: a warm sandbox's runs
+    keep the cores it started on."""
+    cores = _RUN_ON_CORES
+    if cores is None and hasattr(os, "sched_getaffinity"):
+        cores = os.sched_getaffinity(0)
+    return WarmKey(interpreter(), limits.memory_mb, limits.file_mb, frozenset(cores or ()))
+
+
+def _start_warm(key: WarmKey, limits: Limits) -> warm.WarmSandbox:
     """A warm sandbox for runs of these limits (warm.py): bwrap as for a cold run, with the server in it."""
     exe = interpreter()
     filt = _seccomp_filter()
@@ -617,7 +634,7 @@ def _start_warm(key: tuple, limits: Limits) -> warm.WarmSandbox:
             cmd += ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
         cmd += _bwrap(_layout(limits, exe), opened[-1] if filt else None)
         cmd += [exe, *PYTHON_FLAGS, "-c"] + _harness_args(exe, ["serve", str(server_end.fileno()), "-"], opened)
-        with _OnCores():
+        with _OnCores(set(key.cores) or None):
             return warm.start(key, cmd, _run_env("warm"), opened + [server_end.fileno()], host_end, cgroup, uid,
                               release=lambda: _finish("bwrap", uid, exe, cgroup, None))
     except warm.WarmStartError:

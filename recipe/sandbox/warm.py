@@ -19,7 +19,8 @@ not waited for (a cold run's host reads on for EXIT_GRACE_S), they are killed wh
 
 Used for the bwrap backend where bwrap can make / read-only and size its tmpfs; RECIPE_SANDBOX_WARM=0 turns it
 off. The sandboxes are started from one long-lived thread: bwrap's --die-with-parent follows the thread that
-started it, and scoring threads come and go.
+started it, and scoring threads come and go. That thread starts each on the cores its runs are for (the key's, as
+a cold run would have them: runner.warm_key), and a server that exits before it is ready sends the run cold at once.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from recipe.cores import tree_cpu_s
@@ -172,6 +174,19 @@ atexit.register(close_all)
 os.register_at_fork(after_in_child=_forget_in_child)
 
 
+def _answered(sock: socket.socket, proc: subprocess.Popen) -> bool:
+    """Whether the server wrote to sock within READY_S. A server that exits first (bwrap cannot start its
+    interpreter, say) gives no end of file, as this process holds the socket's other end until the start returns:
+    its exit is watched, so the run goes cold at once, not READY_S later."""
+    deadline = time.monotonic() + READY_S
+    while True:
+        left = deadline - time.monotonic()
+        if select.select([sock], [], [], max(0.0, min(left, 0.05)))[0]:
+            return True
+        if left <= 0 or proc.poll() is not None:
+            return bool(select.select([sock], [], [], 0)[0])  # it may have answered just before it went
+
+
 def start(key: tuple, cmd: list[str], env: dict, pass_fds: list[int], sock: socket.socket,
           cgroup: Cgroup | None, uid: int | None, release) -> WarmSandbox:
     """Start the server (cmd) and wait for its "ready"; WarmStartError if it does not say it."""
@@ -181,8 +196,7 @@ def start(key: tuple, cmd: list[str], env: dict, pass_fds: list[int], sock: sock
     with _pool_lock:
         _live.add(box)
     try:
-        ready, _, _ = select.select([sock], [], [], READY_S)
-        line = sock.recv(1 << 10) if ready else b""
+        line = sock.recv(1 << 10) if _answered(sock, proc) else b""
         if line.strip() != b'{"ready": true}':
             raise WarmStartError("no answer" if not line else f"said {line[:80]!r}")
     except (OSError, WarmStartError) as e:
