@@ -245,9 +245,10 @@ def test_a_groups_samples_share_one_prefill_of_their_prompt_and_each_gets_what_i
 
 
 def test_rows_that_join_a_running_batch_take_free_slots_in_place_and_each_gets_what_it_gets_alone(engine):
-    """A row that joins goes into a finished row's slot, or a spare row of the buffers, without moving the others
-    (one layout of the cache for the whole run here); every completion is the one its prompt gets alone, and the
-    stock model's logprobs."""
+    """A row that joins goes into a spare row of the buffers without moving the others (one layout of the cache
+    for the whole run here); a row that finishes leaves the buffers in its step, the last running rows moving into
+    its slot, so that a decode step runs the running rows only; every completion is the one its prompt gets alone,
+    and the stock model's logprobs."""
     from recipe.inference.hf import DecodeBatch
     base = prompts(engine)
     ps = [base[i % 5] + base[(i * 3) % 5][: i % 3] for i in range(40)]
@@ -256,7 +257,7 @@ def test_rows_that_join_a_running_batch_take_free_slots_in_place_and_each_gets_w
     first = 6
     batch.admit(list(range(first)), ps[:first], params[:first])
     waiting = list(range(first, len(ps)))
-    out, joined_in_place, steps = {}, 0, 0
+    out, joined_in_place, steps, moved = {}, 0, 0, 0
     while waiting or len(batch):
         if waiting and steps % 2 and batch.width >= max(len(ps[i]) for i in waiting[:3]):
             take, waiting = waiting[:3], waiting[3:]
@@ -265,9 +266,19 @@ def test_rows_that_join_a_running_batch_take_free_slots_in_place_and_each_gets_w
             if batch.relayouts == before[0]:
                 joined_in_place += 1
                 assert [r for r, k in enumerate(batch.keys) if k is not None and k not in take] == before[1]
-        out.update(batch.step())
+        rows_before = list(batch.keys)
+        done = batch.step()
+        out.update(done)
         steps += 1
-    assert joined_in_place >= 5 and joined_in_place > batch.relayouts
+        if batch.keys:  # the running rows, and only they, in the buffers' first rows
+            assert None not in batch.keys and len(batch.keys) == len(batch) == batch.cache.layers[0].keys.shape[0]
+        finished = {key for key, _ in done}
+        last = [k for k in rows_before if k not in finished][-1:] if batch.keys else []
+        # a finished row before the last running one: that row now sits in a finished row's slot
+        if last and rows_before.index(last[0]) >= len(batch.keys):
+            moved += 1
+            assert batch.keys.index(last[0]) < rows_before.index(last[0])
+    assert joined_in_place >= 5 and joined_in_place > batch.relayouts and moved >= 5
     reference = stock(engine)
     for i, (p, q) in enumerate(zip(ps, params)):
         alone = engine.generate_each([p], [q])[0]

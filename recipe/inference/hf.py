@@ -83,13 +83,14 @@ class DecodeBatch:
     Every row's keys and values sit right-aligned in the buffers: a row of length n (prompt + tokens fed back)
     fills columns [width - n, width), the columns before it are masked, and a step writes column `width` for all
     rows. Attention reads columns from the start of the oldest running row (`start`) to `width`.
-    A row that joins is prefilled (each distinct prompt once) and copied in place, into the slot of a finished row
-    or a spare row of the buffers, when the buffers have the room (its prompt fits before `width`, its
-    max_new_tokens after it): no other row moves. Otherwise, and when half the rows are dead, every running row is
-    copied into new buffers laid out for the longest row, with room for the engine's batch_size rows and the
-    columns of `max_new_tokens` more steps than the rows need. A finished row stays in the buffers, dead (its
-    tokens are no one's), until a row takes its slot or the buffers are laid out again: a forward pass costs
-    little more for a few more rows on the CPU, a copy of the cache would cost more.
+    A row that joins is prefilled (each distinct prompt once) and copied in place, into a spare row of the buffers
+    after the running ones, when the buffers have the room (its prompt fits before `width`, its max_new_tokens
+    after it): no other row moves. Otherwise every running row is copied into new buffers laid out for the longest
+    row, with room for the engine's batch_size rows and the columns of `max_new_tokens` more steps than the rows
+    need. A row that finishes (or is dropped) leaves the buffers in the same step: the running rows past the first
+    `running` move into the finished rows' slots (their own keys and values, a few rows' copy), so that a decode
+    step computes the running rows and no others (about 7% less of the engine's decode CPU over an RL arm than
+    leaving finished rows in until half were: docs/performance.md).
     Rows share temperature, top_p and top_k (`settings`); each has its own seed and max_new_tokens, and the
     policy version of the weights when it joined (weights can change while it runs: HFEngine.update_weights).
     `key`: the caller's name for a row.
@@ -103,7 +104,7 @@ class DecodeBatch:
         self._clear()
 
     def _clear(self) -> None:
-        self.keys: list = []  # per buffer row; None for a dead row
+        self.keys: list = []  # per buffer row; None for a row that has left (until the step's end)
         self.tokens: list[list[int]] = []
         self.logprobs: list[list[float]] = []
         self.versions: list[int] = []  # the policy version each row joined under
@@ -175,15 +176,15 @@ class DecodeBatch:
         self._copy_in(at, cache, width, rows)
 
     def _slots(self, n: int, prompt_width: int, most: int) -> list[int] | None:
-        """Where n rows of prompts up to prompt_width tokens and up to `most` new tokens go in place: dead rows'
-        slots first, then spare rows of the buffers; None when the buffers have not the room."""
+        """Where n rows of prompts up to prompt_width tokens and up to `most` new tokens go in place: the spare rows
+        of the buffers after the running ones (a step moves the running rows together); None when the buffers have
+        not the room."""
         if self.cache is None or not self.running:
             return None
         layer = self.cache.layers[0]
         if prompt_width > self.width or self.width + most > layer.key_buf.shape[2]:
             return None
-        free = [r for r, k in enumerate(self.keys) if k is None][:n]
-        free += range(len(self.keys), len(self.keys) + n - len(free))
+        free = list(range(len(self.keys), len(self.keys) + n))
         return free if free[-1] < layer.key_buf.shape[0] else None
 
     def _grow(self, rows: int, cols: int) -> None:
@@ -239,6 +240,28 @@ class DecodeBatch:
             layer.rows, layer.start, layer.length = len(self.keys), self.start, self.width
             layer.view()
 
+    def _compact(self, tok: torch.Tensor) -> torch.Tensor:
+        """The running rows as rows [0, running) of the buffers: each running row past them moves (its keys and
+        values in the columns attention reads, and its state) into the slot of a row that left, and the rows past
+        `running` go. Returns `tok` (the token each row feeds next) in the new order."""
+        n = self.running
+        holes = [r for r in range(n) if self.keys[r] is None]
+        movers = [r for r in range(n, len(self.keys)) if self.keys[r] is not None]  # as many as the holes
+        if movers:
+            src = torch.tensor(movers, dtype=torch.long, device=self.device)
+            dst = torch.tensor(holes, dtype=torch.long, device=self.device)
+            for layer in self.cache.layers:
+                for buf in (layer.key_buf, layer.value_buf):
+                    buf[dst, :, self.start:self.width] = buf[src, :, self.start:self.width]
+            for state in (self.keys, self.tokens, self.logprobs, self.versions):
+                for a, b in zip(movers, holes):
+                    state[b] = state[a]
+            for t in (self.lengths, self.budgets, self.generated, self.uniforms, self.logits, tok):
+                t[dst] = t[src]
+        self._select(list(range(n)))
+        self._set_view()  # a row that left may have been the oldest: attention starts later
+        return tok[:n]
+
     def _relayout(self, keep: torch.Tensor) -> None:
         """New buffers holding the rows `keep` of the old ones (in that order) as rows [0, len(keep)), at the width
         of the longest row, with room for the engine's batch_size rows and every row's remaining tokens plus
@@ -271,15 +294,14 @@ class DecodeBatch:
         logp = torch.log_softmax(self.logits / (1.0 if greedy else s.temperature), dim=-1)
         if greedy:
             tok = logp.argmax(-1)
-        else:  # (a dead row's count stays at its last draw)
+        else:
             u = self.uniforms[torch.arange(n, device=device), self.generated.clamp(max=self.uniforms.shape[1] - 1)]
             tok = _inverse_cdf(_top_p(_top_k(logp, s.top_k), s.top_p).exp(), u)
         lp = logp.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
         stopped = torch.isin(tok, self.stops)
         finished = stopped | (self.generated + 1 >= self.budgets)
-        alive = torch.tensor([k is not None for k in self.keys], device=device)
-        self.generated = self.generated + alive.long()
-        out, running = [], self.running
+        self.generated = self.generated + 1  # every row runs: rows that left were moved out at the last step
+        out = []
         for r, (t, l, f, st) in enumerate(zip(tok.tolist(), lp.tolist(), finished.tolist(), stopped.tolist())):
             key = self.keys[r]
             if key is None:
@@ -299,14 +321,8 @@ class DecodeBatch:
         if not self.running:
             self._clear()
             return out
-        if 2 * self.running <= n:  # half the rows are dead: drop them from the buffers
-            keep = [r for r, k in enumerate(self.keys) if k is not None]
-            idx = torch.tensor(keep, dtype=torch.long, device=device)
-            tok = tok[idx]
-            self._select(keep)
-            self._relayout(idx)
-        elif self.running < running:
-            self._set_view()  # a row that left may have been the oldest: attention starts later
+        if self.running < n:  # rows left: the last running rows move into their slots
+            tok = self._compact(tok)
         positions = self.lengths.clone()  # the fed token's position: the tokens before it
         self.lengths = self.lengths + 1
         cols = torch.arange(self.start, self.width + 1, device=device)
