@@ -274,7 +274,7 @@ def test_rows_that_join_a_running_batch_take_free_slots_in_place_and_each_gets_w
             assert None not in batch.keys and len(batch.keys) == len(batch) == batch.cache.layers[0].keys.shape[0]
         finished = {key for key, _ in done}
         last = [k for k in rows_before if k not in finished][-1:] if batch.keys else []
-        # a finished row before the last running one: that row now sits in a finished row's slot
+        # the last running row sat past the rows still running: it moved up, into a finished row's slot
         if last and rows_before.index(last[0]) >= len(batch.keys):
             moved += 1
             assert batch.keys.index(last[0]) < rows_before.index(last[0])

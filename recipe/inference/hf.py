@@ -129,7 +129,7 @@ class DecodeBatch:
     @torch.no_grad()
     def admit(self, keys: list, prompts: list[list[int]], params: list[SamplingParams]) -> None:
         """Prefill these prompts and add them as rows: in place when the buffers have the room, else with the
-        running rows laid out again (the dead rows leave then)."""
+        running rows laid out again in new buffers."""
         if not keys:
             return
         model, device = self.engine.model, self.device
