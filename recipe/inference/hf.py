@@ -104,7 +104,7 @@ class DecodeBatch:
         self._clear()
 
     def _clear(self) -> None:
-        self.keys: list = []  # per buffer row; None for a row that has left (until the step's end)
+        self.keys: list = []  # per buffer row; None for a row that left in this step (moved out at its end)
         self.tokens: list[list[int]] = []
         self.logprobs: list[list[float]] = []
         self.versions: list[int] = []  # the policy version each row joined under
@@ -233,9 +233,9 @@ class DecodeBatch:
         self._set_view()
 
     def _set_view(self) -> None:
-        """The cache's views: every row of the batch, columns from the oldest running row's start."""
-        alive = torch.tensor([k is not None for k in self.keys], device=self.device)
-        self.start = int((self.width - self.lengths[alive]).min()) if self.running else self.width
+        """The cache's views: every row of the batch (all running: rows that leave are moved out in their step),
+        columns from the oldest row's start."""
+        self.start = int((self.width - self.lengths).min()) if self.running else self.width
         for layer in self.cache.layers:
             layer.rows, layer.start, layer.length = len(self.keys), self.start, self.width
             layer.view()
@@ -304,8 +304,6 @@ class DecodeBatch:
         out = []
         for r, (t, l, f, st) in enumerate(zip(tok.tolist(), lp.tolist(), finished.tolist(), stopped.tolist())):
             key = self.keys[r]
-            if key is None:
-                continue
             if key in drop:
                 self.keys[r] = None
                 self.running -= 1
