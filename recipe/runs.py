@@ -16,6 +16,7 @@ import atexit
 import contextlib
 import ctypes
 import errno
+import faulthandler
 import fcntl
 import functools
 import hashlib
@@ -605,6 +606,9 @@ def stage_main(fn):
     return entry
 
 
+LEAVE_RANK_DUMP_S = 20  # torchrun SIGKILLs a rank 30 s after its SIGTERM
+
+
 def leave_rank(body: Callable[[], object]):
     """Run body() (a torchrun rank's whole command) and end the process with its exit code, without interpreter
     finalization: stdout and stderr flushed and atexit handlers run first, then os._exit.
@@ -615,18 +619,29 @@ def leave_rank(body: Callable[[], object]):
     once in a SIGTERM stop of 2 SFT ranks on a loaded 2-core machine, after both ranks had said they stopped. By
     the time body() returns, everything a stage keeps is on disk (written aside and renamed, metrics fsynced),
     so nothing is left for finalization to do. Exit codes are Python's: 0, SystemExit's code (a text printed,
-    1), or 1 after the traceback of an exception nobody caught."""
+    1), or 1 after the traceback of an exception nobody caught.
+
+    The exception that ends body() stays referenced until os._exit. Its traceback holds the stage's frames (the
+    trainer, the DDP model, through it the process group): freeing them would run their C++ destructors with the
+    GIL held, the gloo process group's among them, which joins its worker threads. The hang was seen again with
+    os._exit in place (a SIGTERM stop of 2 SFT ranks, after the rank had said it stopped, so on the way out), and
+    that free was the one thing left on the way. Should the way out still take more than LEAVE_RANK_DUMP_S,
+    faulthandler writes every thread's stack to stderr before torchrun's SIGKILL, so that the next one is seen."""
+    ended = None  # the exception body() raised, kept alive (see above)
     try:
         body()
         code = 0
     except SystemExit as e:
+        ended = e
         code = 0 if e.code is None else e.code
         if not isinstance(code, int):  # sys.exit("text"): printed, exit code 1
             print(code, file=sys.stderr)
             code = 1
-    except BaseException:
+    except BaseException as e:
+        ended = e
         sys.excepthook(*sys.exc_info())
         code = 1
+    faulthandler.dump_traceback_later(LEAVE_RANK_DUMP_S)
     try:
         atexit._run_exitfuncs()  # what registered for exit (a tracker's upload) still runs
     finally:

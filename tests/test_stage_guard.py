@@ -103,18 +103,29 @@ def test_a_stages_last_line_is_one_write_so_that_ranks_sharing_stderr_do_not_int
 
 
 # a rank's stage command: a thread nobody joins blocks interpreter finalization, as the teardown deadlock of
-# pytorch/pytorch#190489 does (torchrun SIGKILLs such a rank 30 s after its SIGTERM)
+# pytorch/pytorch#190489 does (torchrun SIGKILLs such a rank 30 s after its SIGTERM); and a stage that fails holds
+# an object whose freeing blocks, as freeing the trainer's DDP model (its gloo process group) can
 RANK_STAGE = """
 import atexit, os, sys, threading
+import recipe.runs
 from recipe.errors import StageError
 from recipe.runs import Stopped, stage_main
 threading.Thread(target=threading.Event().wait, name="never-ends").start()
 atexit.register(lambda: open("atexit", "w").write("atexit ran"))
+recipe.runs.LEAVE_RANK_DUMP_S = int(os.environ.get("DUMP_S", "20"))
+if "ATEXIT_S" in os.environ:  # a slow way out: every thread's stack is written to stderr after DUMP_S
+    import time
+    atexit.register(time.sleep, float(os.environ["ATEXIT_S"]))
+
+class FreeingBlocks:
+    def __del__(self):
+        threading.Event().wait()
 
 @stage_main
 def stage(cfg):
     print("the stage's last output", end="")  # buffered: the exit must flush it
     how = os.environ["HOW"]
+    held = FreeingBlocks() if how != "done" else None  # the failing stage's frame, kept by its traceback
     if how == "stop":
         raise Stopped(15, "the next run resumes")
     if how == "refused":
@@ -133,13 +144,27 @@ def test_a_rank_leaves_with_its_exit_code_without_waiting_on_interpreter_teardow
            "HOW": how}
     marker = tmp_path / "atexit"
     out = subprocess.run([sys.executable, "-c", RANK_STAGE, f"run_root={tmp_path}"], env=env, cwd=tmp_path,
-                         capture_output=True, text=True, timeout=60)
+                         capture_output=True, text=True, timeout=30)
     assert out.returncode == code, out.stderr[-2000:]
     assert out.stdout == "the stage's last output"
     assert marker.read_text() == "atexit ran"
     assert not (tmp_path / "returned").exists()  # the process ended inside the stage's entry point
     assert {"stop": "stopped by SIGTERM; the next run resumes", "refused": "error: refused",
             "crash": "RuntimeError: a bug", "done": ""}[how] in out.stderr
+    assert "most recent call first" not in out.stderr  # no stacks: the way out was quick
+
+
+def test_a_rank_slow_to_leave_writes_every_threads_stack_before_torchrun_kills_it(tmp_path):
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "PYTHONPATH": str(ROOT), "CALL": "cli",
+           "HOW": "stop", "DUMP_S": "1", "ATEXIT_S": "3"}
+    out = subprocess.run([sys.executable, "-c", RANK_STAGE, f"run_root={tmp_path}"], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 143, out.stderr[-2000:]
+    dump = out.stderr[out.stderr.index("stopped by SIGTERM"):]
+    # faulthandler's dump after DUMP_S: the main thread in leave_rank (running the atexit handlers), and the thread
+    # nobody joins
+    assert "Timeout (0:00:01)!" in dump and dump.count("(most recent call first)") == 2, dump
+    assert "in leave_rank" in dump and "in wait" in dump, dump
 
 
 def test_a_stage_called_from_python_or_as_one_process_is_left_to_the_interpreter(tmp_path):
