@@ -154,6 +154,32 @@ def test_a_rank_leaves_with_its_exit_code_without_waiting_on_interpreter_teardow
     assert "most recent call first" not in out.stderr  # no stacks: the way out was quick
 
 
+@pytest.mark.parametrize("stage", ["data", "base", "sft", "rl", "eval"])
+def test_every_stage_run_as_a_rank_from_its_command_line_leaves_through_leave_rank(monkeypatch, stage):
+    """`python -m recipe.<stage>` under torchrun (the process's own command line) ends in leave_rank; called from
+    Python with overrides it does not (the caller's process goes on)."""
+    import importlib
+
+    import recipe.runs
+
+    class Left(BaseException):
+        pass
+
+    def leave(body):  # the real one never returns: it ends the process
+        raise Left
+
+    module = importlib.import_module(f"recipe.{stage}.__main__")
+    monkeypatch.setattr(recipe.runs, "leave_rank", leave)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(sys, "argv", [f"recipe.{stage}", "no_such_key=1"])  # refused at once, exit code 2
+    with pytest.raises(Left):
+        module.main()
+    with pytest.raises(SystemExit) as e:
+        module.main(["no_such_key=1"])
+    assert e.value.code == 2
+
+
 def test_a_rank_slow_to_leave_writes_every_threads_stack_before_torchrun_kills_it(tmp_path):
     env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "PYTHONPATH": str(ROOT), "CALL": "cli",
            "HOW": "stop", "DUMP_S": "1", "ATEXIT_S": "3"}

@@ -65,9 +65,10 @@ def run(cfg, argv: list[str]) -> None:
 
 
 def main(argv=None):
-    # the raw overrides are kept for the ranks' command line
-    argv = sys.argv[1:] if argv is None else list(argv)
-    return stage_main(lambda cfg: run(cfg, argv))(argv)
+    # the raw overrides are kept for the ranks' command line; argv stays None from the command line, where a
+    # rank of several leaves through recipe.runs.leave_rank
+    overrides = sys.argv[1:] if argv is None else list(argv)
+    return stage_main(lambda cfg: run(cfg, overrides))(argv)
 
 
 if __name__ == "__main__":
