@@ -618,9 +618,9 @@ def leave_rank(body: Callable[[], object]):
     open). The rank then never exits, and torchrun SIGKILLs it 30 s later ("Unable to shutdown process"): seen
     in SIGTERM stops of 2 SFT ranks on a 2-core machine, after both ranks had said they stopped (in both full runs
     of the test suite one day, none in 28 runs of the stop alone), while base, sft and rl still called their entry
-    with the command line's arguments and so never came here. By the time body() returns, everything a stage keeps is on disk (written
-    aside and renamed, metrics fsynced), so nothing is left for finalization to do. Exit codes are Python's: 0,
-    SystemExit's code (a text printed, 1), or 1 after the traceback of an exception nobody caught.
+    with the command line's arguments and so never came here. By the time body() returns, everything a stage keeps
+    is on disk (written aside and renamed, metrics fsynced), so nothing is left for finalization to do. Exit codes
+    are Python's: 0, SystemExit's code (a text printed, 1), or 1 after the traceback of an exception nobody caught.
 
     The exception that ends body() stays referenced until os._exit: its traceback holds the stage's frames (the
     trainer, the DDP model, through it the process group), and freeing them would run their C++ destructors with
