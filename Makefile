@@ -92,8 +92,8 @@ soak: sft
 	$(RUN) recipe.rl.soak $(OVERRIDES)
 
 # The unit tests first, a test file to each core (pytest-xdist): most of them run one process on one core, so two
-# at a time take a little over half the time (354 s against 630 s on 2026-12-06). Then the end-to-end pipeline alone, as `make all` runs it on both
-# cores (its timings and thresholds are those of RESULTS.md).
+# at a time take a little over half the time (354 s against 630 s on 2026-12-06). Then the end-to-end pipeline
+# alone, as `make all` runs it on both cores (its timings and thresholds are those of RESULTS.md).
 test: setup
 	$(PY) -m pytest -q -x -n 2 --dist loadfile --durations=15 --ignore=tests/test_e2e.py tests
 	$(PY) -m pytest -q -x --durations=5 tests/test_e2e.py
