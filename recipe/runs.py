@@ -624,9 +624,10 @@ def leave_rank(body: Callable[[], object]):
 
     The exception that ends body() stays referenced until os._exit: its traceback holds the stage's frames (the
     trainer, the DDP model, through it the process group), and freeing them would run their C++ destructors with
-    the GIL held, the gloo process group's among them, which joins its worker threads. Should the way out still
-    take more than LEAVE_RANK_DUMP_S, faulthandler writes every thread's stack to stderr before torchrun's
-    SIGKILL, so that the next hang is seen where it is."""
+    the GIL held, the gloo process group's among them, which joins its worker threads. Should the way out of a
+    rank stopped by a signal still take more than LEAVE_RANK_DUMP_S, faulthandler writes every thread's stack to
+    stderr before torchrun's SIGKILL, so that the next hang is seen where it is (a rank that ended by itself may
+    take its time: a tracker's upload at exit)."""
     ended = None  # the exception body() raised, kept alive (see above)
     try:
         body()
@@ -641,8 +642,9 @@ def leave_rank(body: Callable[[], object]):
         ended = e
         sys.excepthook(*sys.exc_info())
         code = 1
-    with contextlib.suppress(Exception):  # (a stderr without a file descriptor: no dump)
-        faulthandler.dump_traceback_later(LEAVE_RANK_DUMP_S)
+    if code in {128 + s for s in STOP_SIGNALS}:  # stopped by a signal: torchrun's SIGKILL follows in 30 s
+        with contextlib.suppress(Exception):  # (a stderr without a file descriptor: no dump)
+            faulthandler.dump_traceback_later(LEAVE_RANK_DUMP_S)
     try:
         atexit._run_exitfuncs()  # what registered for exit (a tracker's upload) still runs
     finally:

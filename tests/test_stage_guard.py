@@ -183,6 +183,9 @@ def test_every_stage_run_as_a_rank_from_its_command_line_leaves_through_leave_ra
 def test_a_rank_slow_to_leave_writes_every_threads_stack_before_torchrun_kills_it(tmp_path):
     env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "PYTHONPATH": str(ROOT), "CALL": "cli",
            "HOW": "stop", "DUMP_S": "1", "ATEXIT_S": "3"}
+    out = subprocess.run([sys.executable, "-c", RANK_STAGE, f"run_root={tmp_path}"], env={**env, "HOW": "done"},
+                         cwd=tmp_path, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0 and "Timeout" not in out.stderr, out.stderr[-2000:]  # no signal: no SIGKILL to beat
     out = subprocess.run([sys.executable, "-c", RANK_STAGE, f"run_root={tmp_path}"], env=env, cwd=tmp_path,
                          capture_output=True, text=True, timeout=30)
     assert out.returncode == 143, out.stderr[-2000:]
