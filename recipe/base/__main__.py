@@ -9,7 +9,6 @@ bookkeeping, trains the tokenizer and hands it to the other ranks.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from datasets import Dataset
@@ -18,7 +17,7 @@ from recipe.data.schema import read_split, read_text_split
 from recipe.errors import DataError
 from recipe.model import build_tiny_model, build_tokenizer, tokenizer_from_str
 from recipe.rl.dist import World, run_stage_on_ranks
-from recipe.runs import Stage, stage_main
+from recipe.runs import Stage, stage_argv, stage_main
 from recipe.sft import per_device_batch, train_supervised
 from recipe.tracking import TrainerTracking
 
@@ -64,11 +63,9 @@ def run(cfg, argv: list[str]) -> None:
     run_stage_on_ranks(cfg, argv, "base", REQUIRES, cfg.base.threads, lead, follow, cpu=True)
 
 
-def main(argv=None):
-    # the raw overrides are kept for the ranks' command line; argv stays None from the command line, where a
-    # rank of several leaves through recipe.runs.leave_rank
-    overrides = sys.argv[1:] if argv is None else list(argv)
-    return stage_main(lambda cfg: run(cfg, overrides))(argv)
+@stage_main
+def main(cfg):
+    run(cfg, stage_argv())  # the raw overrides, for the ranks' command line
 
 
 if __name__ == "__main__":

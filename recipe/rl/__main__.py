@@ -7,12 +7,11 @@ train; they take no lock and write only their checkpoint shards.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 from recipe.rl.dist import World, run_stage_on_ranks
 from recipe.rl.loop import run_rl
-from recipe.runs import Stage, stage_main
+from recipe.runs import Stage, stage_argv, stage_main
 from recipe.tracking import open_tracker
 
 REQUIRES = ("sft", "data")
@@ -35,11 +34,9 @@ def run(cfg, argv: list[str]) -> None:
     run_stage_on_ranks(cfg, argv, "rl", REQUIRES, cfg.rl.train_threads, lead, follow)
 
 
-def main(argv=None):
-    # the raw overrides are kept for the ranks' command line; argv stays None from the command line, where a
-    # rank of several leaves through recipe.runs.leave_rank
-    overrides = sys.argv[1:] if argv is None else list(argv)
-    return stage_main(lambda cfg: run(cfg, overrides))(argv)
+@stage_main
+def main(cfg):
+    run(cfg, stage_argv())  # the raw overrides, for the ranks' command line
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ state into each checkpoint.
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
@@ -16,7 +15,7 @@ import torch
 from recipe.data.schema import read_split
 from recipe.model import load_pretrained
 from recipe.rl.dist import World, run_stage_on_ranks
-from recipe.runs import Stage, stage_main
+from recipe.runs import Stage, stage_argv, stage_main
 from recipe.sft import chat_dataset, per_device_batch, train_supervised
 from recipe.tracking import TrainerTracking
 
@@ -52,11 +51,9 @@ def run(cfg, argv: list[str]) -> None:
                        cpu=not torch.cuda.is_available())
 
 
-def main(argv=None):
-    # the raw overrides are kept for the ranks' command line; argv stays None from the command line, where a
-    # rank of several leaves through recipe.runs.leave_rank
-    overrides = sys.argv[1:] if argv is None else list(argv)
-    return stage_main(lambda cfg: run(cfg, overrides))(argv)
+@stage_main
+def main(cfg):
+    run(cfg, stage_argv())  # the raw overrides, for the ranks' command line
 
 
 if __name__ == "__main__":
