@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import math
 import shlex
-import sys
 from pathlib import Path
 
 import jinja2
@@ -36,7 +35,7 @@ from recipe.launch.recipe_table import compare
 from recipe.launch.roles import INFERENCE_URLS_ENV, torchrun_on_nodes
 from recipe.model import count_params, meta_model
 from recipe.rl.trainer import optimizer_split
-from recipe.runs import stage_dir, stage_main, write_atomic
+from recipe.runs import stage_argv, stage_dir, stage_main, write_atomic
 
 GIB = 2 ** 30
 SERVER_HOST = "0.0.0.0"  # the trainer reaches the servers from other nodes
@@ -529,7 +528,6 @@ def launch(cfg, overrides: list[str]) -> list[Path]:
     return written
 
 
-def main(argv=None):
-    # stage_main turns config errors into one line; the raw overrides are kept for the trainer's command line
-    argv = sys.argv[1:] if argv is None else list(argv)
-    return stage_main(lambda cfg: launch(cfg, argv))(argv)
+@stage_main  # config errors become one line
+def main(cfg):
+    return launch(cfg, stage_argv())  # the raw overrides, for the trainer's command line

@@ -38,7 +38,6 @@ import multiprocessing
 import os
 import resource
 import shutil
-import sys
 import time
 from pathlib import Path
 from statistics import median
@@ -57,7 +56,7 @@ from recipe.inference.hf import HFEngine
 from recipe.model import load_pretrained
 from recipe.rl.loop import run_rl
 from recipe.rl.soak import RSSSampler
-from recipe.runs import Began, load_avg, require_done, stage_dir, stage_main, write_atomic
+from recipe.runs import Began, load_avg, require_done, stage_argv, stage_dir, stage_main, write_atomic
 from recipe.sandbox import warm
 
 ENVS = ("math", "logic", "code")
@@ -263,9 +262,9 @@ def bench(cfg, argv: list[str]) -> None:
     write_bench(cfg, "bench-trl", "trl", out, began)
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else list(argv)  # each arm's process loads the config from them again
-    return stage_main(lambda cfg: bench(cfg, argv))(argv)
+@stage_main
+def main(cfg):
+    return bench(cfg, stage_argv())  # the raw overrides: each arm's process loads the config from them again
 
 
 if __name__ == "__main__":
