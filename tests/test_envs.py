@@ -26,6 +26,27 @@ def test_math_env_uses_math_verify_equivalence():
     assert env.score("\\boxed{0.5}", row).reward == 0.0  # no </think>: the format was not followed
 
 
+def test_math_verdicts_are_reused_for_a_repeated_answer_but_not_under_a_timeout(monkeypatch):
+    import recipe.envs.math as math_env
+
+    timeouts = []  # parsing_timeout of every math-verify parse
+    real_parse = math_env.parse
+    monkeypatch.setattr(math_env, "parse", lambda text, **kw: timeouts.append(kw["parsing_timeout"]) or
+                        real_parse(text, **kw))
+    math_env._cached_verify.cache_clear()
+    env, row = get_env("math"), _row("math", "1/2")
+    for _ in range(3):  # a group's samples with the same final answer
+        assert env.score("<think>a</think>\n\\boxed{0.5}", row).reward == 1.0
+    assert timeouts == [None, None]  # reference and answer parsed once, in score's worker thread
+    assert env.score("<think>b</think>\n\\boxed{3}", row).reward == 0.0  # another answer is verified
+    assert env.score("<think>c</think>\n\\boxed{3}", _row("math", "3")).reward == 1.0  # ... and another reference
+    assert len(timeouts) == 6
+    # on the main thread math-verify's timeouts are in force: such a verdict is not kept
+    for _ in range(2):
+        assert math_env.math_correct("\\boxed{0.5}", row) == 1.0
+    assert timeouts[6:] == [5, 5, 5, 5]
+
+
 def test_logic_env_uses_reasoning_gym_scorer():
     import reasoning_gym
 
@@ -63,6 +84,40 @@ def test_a_reward_function_that_hangs_times_out_and_the_sample_scores_0():
     assert time.perf_counter() - t0 < 5
     assert res.reward == 0.5 and res.metrics["stuck"] == 0.0
     assert res.errors and "stuck: RewardTimeout" in res.errors[0] and "0.3 s" in res.errors[0]
+
+
+def test_reward_calls_reuse_a_worker_thread_but_never_one_that_timed_out():
+    import multiprocessing
+    import threading
+
+    from recipe.envs.base import RewardTimeout, call_with_timeout
+
+    def where(x):
+        return threading.get_ident(), x
+
+    first, _ = call_with_timeout(where, (1,), 5)
+    assert first != threading.get_ident()  # not the caller's thread
+    before = threading.active_count()
+    assert [call_with_timeout(where, (i,), 5) for i in range(50)] == [(first, i) for i in range(50)]
+    assert threading.active_count() == before
+    with pytest.raises(ValueError, match="verifier bug"):  # a reward function's error reaches the caller
+        call_with_timeout(lambda: (_ for _ in ()).throw(ValueError("verifier bug")), (), 5)
+
+    release, stuck = threading.Event(), []
+    with pytest.raises(RewardTimeout, match="0.2 s"):
+        call_with_timeout(lambda: stuck.append(threading.get_ident()) or release.wait(30), (), 0.2)
+    assert stuck == [first]  # the idle worker took the call, and is still in it
+    for i in range(5):  # ... and is not handed another one
+        assert call_with_timeout(where, (i,), 5)[0] != first
+    release.set()  # it ends its call, finds it was let go and stops
+    [thread] = [t for t in threading.enumerate() if t.ident == first]
+    thread.join(5)
+    assert not thread.is_alive()
+
+    # a forked child has none of its parent's threads: it starts workers of its own
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        assert pool.apply(call_with_timeout, (sum, ([1, 2],), 5), ) == 3
 
 
 def test_unknown_environment_names_itself():
