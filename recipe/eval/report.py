@@ -108,15 +108,15 @@ def _load_pair(prov: dict) -> str:
     return f"{_load(prov.get('load_avg_1m_at_start'))} / {_load(prov.get('load_avg_1m_at_end'))}"
 
 
-def _load_phrase(prov: dict, levels: list[dict] | None = None) -> str:
+def _load_phrase(prov: dict, levels: list[dict] | None = None, what: str = "levels") -> str:
     """", load A at the start, B at the end" from a provenance that recorded them, else nothing; with bench-rl's
-    levels, ", load A, B, C at the levels' starts, D at the end" when every level recorded its start."""
+    levels (or runs), ", load A, B, C at the levels' starts, D at the end" when every one recorded its start."""
     if prov.get("load_avg_1m_at_end") is None:
         return ""
     starts = [prov.get("load_avg_1m_at_start")] if levels is None else [r.get("load_avg_1m_at_start") for r in levels]
     if levels is not None and None in starts:
         return ""
-    where = "the start" if levels is None else "the levels' starts"
+    where = "the start" if levels is None else f"the {what}' starts"
     return f", load {', '.join(map(_load, starts))} at {where}, {_load(prov['load_avg_1m_at_end'])} at the end"
 
 
@@ -126,17 +126,24 @@ def bench_section(cfg) -> str:
         return "_No RL benchmark yet: run `make bench-rl`._\n"
     rows = bench["results"]
     prov = bench["provenance"]
+    order = bench.get("order")  # one run a level before the bench ran its levels A-B-C-B-A
+    runs = (f"The levels ran {', '.join(map(str, order))} in turn; each level's figures are the mean of its runs "
+            "(steps/hour from their mean step time, standard errors of the means, samples and staleness summed). "
+            if order else "")
+    loads = _load_phrase(prov, bench["runs"], "runs") if order else _load_phrase(prov, rows)
     out = [f"Reproduce: `{bench['command']}`. Same SFT start, seeds, steps and samples for every level; the hf "
            "engine on one core, the trainer on the other. Steps/hour from the mean step time (step 1, which "
            "includes the engine's first fill, left out); reward = mean training reward over the second half of "
-           f"the run; held-out = avg@{cfg.eval.samples} of the final policy. Commit "
-           f"{_commit(prov)}, {prov['hardware']['cpus']} CPUs{_load_phrase(prov, rows)}.\n\n",
-           "| max_async_level | steps | samples | mean step s | steps/hour | vs sync | gen busy s/step | "
-           "train s/step | reward (2nd half, ± s.e.) | held-out avg (± s.e.) | staleness (samples by age) |\n",
-           "|---|---|---|---|---|---|---|---|---|---|---|\n"]
+           f"the run; held-out = avg@{cfg.eval.samples} of the final policy. {runs}Commit "
+           f"{_commit(prov)}, {prov['hardware']['cpus']} CPUs{loads}.\n\n",
+           "| max_async_level | steps | samples | mean step s | steps/hour | vs sync | steps/hour of each run | "
+           "gen busy s/step | train s/step | reward (2nd half, ± s.e.) | held-out avg (± s.e.) | "
+           "staleness (samples by age) |\n",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|\n"]
     for r in rows:
+        each = ", ".join(f"{x:.0f}" for x in r.get("steps_per_hour_runs", [r["steps_per_hour"]]))
         out.append(f"| {r['max_async_level']} | {r['steps']} | {r['samples']} | {r['mean_step_s']:.2f} | "
-                   f"{r['steps_per_hour']:.0f} | x{r['speedup_vs_sync']:.2f} | {r['mean_gen_busy_s']:.2f} | "
+                   f"{r['steps_per_hour']:.0f} | x{r['speedup_vs_sync']:.2f} | {each} | {r['mean_gen_busy_s']:.2f} | "
                    f"{r['mean_train_s']:.2f} | {r['reward_second_half']:.3f}{_se(r, 'reward_second_half_se')} | "
                    f"{r['held_out_avg']:.3f}{_se(r, 'held_out_se')} | "
                    f"{r['staleness']} |\n")

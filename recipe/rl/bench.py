@@ -2,7 +2,9 @@
 
 Same SFT start, seeds, steps and so the same sample budget; generation and training on separate cores in every
 run. Reports steps per hour of each level, its ratio to level 0, and the reward at equal samples (mean training
-reward over the second half of the run, and held-out avg@k of the final policy). Results go to
+reward over the second half of the run, and held-out avg@k of the final policy). The levels run 0, 1, 2, 1, 0 in
+turn and each level's figures are the mean of its runs: a machine that speeds up or slows down over the bench
+weighs on every level alike, so the ratios hold where one run of each would not. Results go to
 runs/<preset>/bench/rl.json and into the performance section of RESULTS.md.
 """
 from __future__ import annotations
@@ -22,7 +24,7 @@ from recipe.inference.hf import HFEngine
 from recipe.rl.loop import run_rl
 from recipe.runs import Began, load_avg, require_done, stage_dir, stage_main
 
-LEVELS = (0, 1, 2)
+ORDER = (0, 1, 2, 1, 0)  # A-B-C-B-A: every level's runs centred on the same moment of the bench
 
 
 def bench_level(cfg, level: int, out_dir, eval_rows):
@@ -65,19 +67,36 @@ def bench_level(cfg, level: int, out_dir, eval_rows):
     }
 
 
+def level_means(level: int, runs: list[dict]) -> dict:
+    """One level's figures over its runs: means, standard errors of the means, staleness summed (with samples)."""
+    mine = [r for r in runs if r["max_async_level"] == level]
+    n = len(mine)
+    mean = {k: sum(r[k] for r in mine) / n for k in
+            ("mean_step_s", "reward_second_half", "held_out_avg", "mean_gen_busy_s", "mean_train_s")}
+    se = {k: math.sqrt(sum(r[k] ** 2 for r in mine)) / n for k in ("reward_second_half_se", "held_out_se")}
+    return {"max_async_level": level, "runs": n, "steps": mine[0]["steps"], "samples": sum(r["samples"] for r in mine),
+            **mean, **se, "steps_per_hour": 3600 / mean["mean_step_s"],
+            "steps_per_hour_runs": [r["steps_per_hour"] for r in mine],
+            "staleness": {k: sum(r["staleness"].get(k, 0) for r in mine)
+                          for k in sorted({k for r in mine for k in r["staleness"]}, key=int)}}
+
+
 @stage_main
 def main(cfg):
     rows = read_split(require_done(cfg, "data"), "eval")
     bench_dir = stage_dir(cfg, "bench")
     began = Began.now()
-    results = [bench_level(cfg, level, bench_dir / f"async{level}", rows) for level in LEVELS]
-    base = results[0]
+    runs = []
+    for i, level in enumerate(ORDER):
+        runs.append(bench_level(cfg, level, bench_dir / f"run{i}_async{level}", rows))
+        print(f"bench-rl: run {i + 1}/{len(ORDER)} level {level}: {runs[-1]['steps_per_hour']:.0f} steps/h")
+    results = [level_means(level, runs) for level in sorted(set(ORDER))]
     for r in results:
-        r["speedup_vs_sync"] = r["steps_per_hour"] / base["steps_per_hour"]
+        r["speedup_vs_sync"] = r["steps_per_hour"] / results[0]["steps_per_hour"]
         print(f"bench-rl: level {r['max_async_level']}: {r['steps_per_hour']:.0f} steps/h "
               f"(x{r['speedup_vs_sync']:.2f} of sync), reward {r['reward_second_half']:.3f}, "
               f"held-out {r['held_out_avg']:.3f}")
-    write_bench(cfg, "bench-rl", "rl", {"results": results}, began)
+    write_bench(cfg, "bench-rl", "rl", {"order": list(ORDER), "runs": runs, "results": results}, began)
 
 
 if __name__ == "__main__":
