@@ -51,7 +51,7 @@ def test_levels_run_a_b_c_b_a_and_a_steady_drift_leaves_the_ratios_as_they_are(t
     assert by_level[0]["steps_per_hour_runs"] == pytest.approx([1800, 3600 / 2.8])
     assert by_level[1]["samples"] == 10240 and by_level[1]["staleness"] == {"0": 256, "2": 9984}
     assert by_level[1]["reward_second_half"] == pytest.approx((0.52 + 0.54) / 2)
-    assert by_level[1]["held_out_se"] == pytest.approx(0.015 / 2 ** 0.5)  # the mean of two runs
+    assert by_level[1]["held_out_se"] == pytest.approx(0.015)  # two runs of the same prompts and seeds: not smaller
 
     report = (tmp_path / "runs" / "RESULTS.md").read_text()
     section = report.split("## Performance: asynchronous against synchronous RL")[1].split("\n## ")[0]

@@ -128,7 +128,8 @@ def bench_section(cfg) -> str:
     prov = bench["provenance"]
     order = bench.get("order")  # one run a level before the bench ran its levels A-B-C-B-A
     runs = (f"The levels ran {', '.join(map(str, order))} in turn; each level's figures are the mean of its runs "
-            "(steps/hour from their mean step time, standard errors of the means, samples and staleness summed). "
+            "(steps/hour from their mean step time; samples and staleness summed; the standard errors are the runs' "
+            "mean, not smaller, as the runs draw the same prompts with the same seeds). "
             if order else "")
     loads = _load_phrase(prov, bench["runs"], "runs") if order else _load_phrase(prov, rows)
     out = [f"Reproduce: `{bench['command']}`. Same SFT start, seeds, steps and samples for every level; the hf "

@@ -68,14 +68,16 @@ def bench_level(cfg, level: int, out_dir, eval_rows):
 
 
 def level_means(level: int, runs: list[dict]) -> dict:
-    """One level's figures over its runs: means, standard errors of the means, staleness summed (with samples)."""
+    """One level's figures over its runs: means, staleness summed (with samples). The standard errors are the mean
+    of the runs' own, not smaller: the runs draw the same prompts with the same seeds (level 0's are the same run
+    twice, but for its timing), so they are not independent samples of the score."""
     mine = [r for r in runs if r["max_async_level"] == level]
     n = len(mine)
     mean = {k: sum(r[k] for r in mine) / n for k in
-            ("mean_step_s", "reward_second_half", "held_out_avg", "mean_gen_busy_s", "mean_train_s")}
-    se = {k: math.sqrt(sum(r[k] ** 2 for r in mine)) / n for k in ("reward_second_half_se", "held_out_se")}
+            ("mean_step_s", "reward_second_half", "held_out_avg", "mean_gen_busy_s", "mean_train_s",
+             "reward_second_half_se", "held_out_se")}
     return {"max_async_level": level, "runs": n, "steps": mine[0]["steps"], "samples": sum(r["samples"] for r in mine),
-            **mean, **se, "steps_per_hour": 3600 / mean["mean_step_s"],
+            **mean, "steps_per_hour": 3600 / mean["mean_step_s"],
             "steps_per_hour_runs": [r["steps_per_hour"] for r in mine],
             "staleness": {k: sum(r["staleness"].get(k, 0) for r in mine)
                           for k in sorted({k for r in mine for k in r["staleness"]}, key=int)}}
