@@ -1,6 +1,6 @@
 """`make bench-rl` (recipe.rl.bench): the levels run 0, 1, 2, 1, 0 and each level's figures are the mean of its
 runs, so that a machine that slows down (or speeds up) over the bench leaves the ratios to level 0 as they are.
-The runs themselves are faked here (each is recipe.rl.loop.run_rl and the held-out eval, tested on their own)."""
+The bench's order and sums are checked on faked runs; one real run goes through the process each run gets."""
 import json
 
 import pytest
@@ -8,7 +8,7 @@ import pytest
 from recipe.config import load_config
 from recipe.data.schema import write_rows
 from recipe.runs import Stage, stage_dir, write_atomic
-from tests.test_rl_bench_trl import math_rows
+from tests.test_rl_bench_trl import math_rows, sft_done  # noqa: F401 (a fixture)
 
 STEP_S = {0: 2.0, 1: 1.0, 2: 0.8}  # each level's step on a machine that keeps its speed
 
@@ -26,7 +26,7 @@ def test_levels_run_a_b_c_b_a_and_a_steady_drift_leaves_the_ratios_as_they_are(t
 
     calls = []
 
-    def fake_level(cfg, level, out_dir, eval_rows):
+    def fake_run(argv, level, out_dir):
         slower = 1 + 0.1 * len(calls)  # the machine slows by a tenth of a step's time with every run
         calls.append((level, out_dir.name))
         step = STEP_S[level] * slower
@@ -36,7 +36,7 @@ def test_levels_run_a_b_c_b_a_and_a_steady_drift_leaves_the_ratios_as_they_are(t
                 "held_out_avg": 0.6, "held_out_se": 0.015, "mean_gen_busy_s": step / 2, "mean_train_s": step / 3,
                 "staleness": {"0": 128, "2": 4992} if level else {"0": 5120}}
 
-    monkeypatch.setattr(bench, "bench_level", fake_level)
+    monkeypatch.setattr(bench, "run_in_child", fake_run)
     bench.main(args)
     assert [level for level, _ in calls] == [0, 1, 2, 1, 0]
     assert len({folder for _, folder in calls}) == 5  # every run keeps its own folder
@@ -59,3 +59,16 @@ def test_levels_run_a_b_c_b_a_and_a_steady_drift_leaves_the_ratios_as_they_are(t
     assert "load 2.0, 3.0, 4.0, 5.0, 6.0 at the runs' starts" in section
     row = next(line for line in section.splitlines() if line.startswith("| 1 |"))
     assert f"| x{STEP_S[0] / STEP_S[1]:.2f} | {3600 / 1.1:.0f}, {3600 / 1.3:.0f} |" in row
+
+
+def test_a_run_is_a_process_of_its_own_and_a_failed_one_stops_the_bench(sft_done, tmp_path):
+    from recipe.errors import StageError
+    from recipe.rl import bench
+
+    cfg, args = sft_done
+    out = bench.run_in_child(args, 1, tmp_path / "run1_async1")
+    assert out["max_async_level"] == 1 and out["steps"] == 2 and out["samples"] == 2 * 2 * 2
+    assert 0 <= out["held_out_avg"] <= 1 and out["steps_per_hour"] > 0
+    assert len((tmp_path / "run1_async1" / "metrics.jsonl").read_text().splitlines()) == 2
+    with pytest.raises(StageError, match="level 0 run in .*run0_async0 failed"):
+        bench.run_in_child([*args, "rl.max_async_level=-1"], 0, tmp_path / "run0_async0")

@@ -4,25 +4,31 @@ Same SFT start, seeds, steps and so the same sample budget; generation and train
 run. Reports steps per hour of each level, its ratio to level 0, and the reward at equal samples (mean training
 reward over the second half of the run, and held-out avg@k of the final policy). The levels run 0, 1, 2, 1, 0 in
 turn and each level's figures are the mean of its runs: a machine that speeds up or slows down over the bench
-weighs on every level alike, so the ratios hold where one run of each would not. Results go to
-runs/<preset>/bench/rl.json and into the performance section of RESULTS.md.
+weighs on every level alike, so the ratios hold where one run of each would not. Each run is a process of its own:
+what one run leaves in memory (the environments' verdicts kept by program and answer, warm sandboxes) would
+otherwise speed up the runs after it on the same prompts. Results go to runs/<preset>/bench/rl.json and into the
+performance section of RESULTS.md.
 """
 from __future__ import annotations
 
 import json
 import math
+import multiprocessing
 import shutil
 import time
+from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
 
+from recipe.config import load_config
 from recipe.data.schema import read_split
+from recipe.errors import StageError
 from recipe.eval.report import write_bench
 from recipe.eval.runner import evaluate
 from recipe.inference.hf import HFEngine
 from recipe.rl.loop import run_rl
-from recipe.runs import Began, load_avg, require_done, stage_dir, stage_main
+from recipe.runs import Began, load_avg, require_done, stage_argv, stage_dir, stage_main, write_atomic
 
 ORDER = (0, 1, 2, 1, 0)  # A-B-C-B-A: every level's runs centred on the same moment of the bench
 
@@ -67,6 +73,26 @@ def bench_level(cfg, level: int, out_dir, eval_rows):
     }
 
 
+def run_level(argv: list[str], level: int, out_dir: str, result_path: str) -> None:
+    """One run of bench_level, in the process of its own that run_in_child starts: its figures to result_path."""
+    cfg = load_config(argv)
+    rows = read_split(require_done(cfg, "data"), "eval")
+    write_atomic(Path(result_path), json.dumps(bench_level(cfg, level, Path(out_dir), rows), indent=2))
+
+
+def run_in_child(argv: list[str], level: int, out_dir: Path) -> dict:
+    """bench_level in a spawned process (nothing of an earlier run in its memory); its figures."""
+    result_path = out_dir.with_suffix(".json")
+    result_path.unlink(missing_ok=True)
+    child = multiprocessing.get_context("spawn").Process(target=run_level,
+                                                         args=(argv, level, str(out_dir), str(result_path)))
+    child.start()
+    child.join()
+    if child.exitcode != 0 or not result_path.exists():
+        raise StageError(f"bench-rl: the level {level} run in {out_dir} failed (exit code {child.exitcode})")
+    return json.loads(result_path.read_text())
+
+
 def level_means(level: int, runs: list[dict]) -> dict:
     """One level's figures over its runs: means, staleness summed (with samples). The standard errors are the mean
     of the runs' own, not smaller: the runs draw the same prompts with the same seeds (level 0's are the same run
@@ -85,12 +111,12 @@ def level_means(level: int, runs: list[dict]) -> dict:
 
 @stage_main
 def main(cfg):
-    rows = read_split(require_done(cfg, "data"), "eval")
+    read_split(require_done(cfg, "data"), "eval")  # a missing or broken eval split stops the bench before any run
     bench_dir = stage_dir(cfg, "bench")
     began = Began.now()
     runs = []
     for i, level in enumerate(ORDER):
-        runs.append(bench_level(cfg, level, bench_dir / f"run{i}_async{level}", rows))
+        runs.append(run_in_child(stage_argv(), level, bench_dir / f"run{i}_async{level}"))
         print(f"bench-rl: run {i + 1}/{len(ORDER)} level {level}: {runs[-1]['steps_per_hour']:.0f} steps/h")
     results = [level_means(level, runs) for level in sorted(set(ORDER))]
     for r in results:
