@@ -126,7 +126,7 @@ def bench_section(cfg) -> str:
         return "_No RL benchmark yet: run `make bench-rl`._\n"
     rows = bench["results"]
     prov = bench["provenance"]
-    order = bench.get("order")  # one run a level before the bench ran its levels A-B-C-B-A
+    order = bench.get("order")  # absent where the bench ran one run a level (before its runs went A-B-C-B-A)
     runs = (f"The levels ran {', '.join(map(str, order))} in turn; each level's figures are the mean of its runs "
             "(steps/hour from their mean step time; samples and staleness summed; the standard errors are the runs' "
             "mean, not smaller, as the runs draw the same prompts with the same seeds). "
