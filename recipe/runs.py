@@ -21,6 +21,7 @@ import fcntl
 import functools
 import hashlib
 import json
+import multiprocessing
 import os
 import platform
 import shutil
@@ -531,6 +532,19 @@ def stage_argv() -> list[str]:
     command line); the command line's outside one."""
     argv = _STAGE_ARGV.get()
     return sys.argv[1:] if argv is None else argv
+
+
+def run_spawned(target: Callable, args: tuple, result_path: Path, failed: str) -> dict:
+    """target(*args, result_path) in a spawned process (nothing of this process's memory in it: what one bench run
+    kept would speed up the next), then the JSON it wrote to result_path; StageError(failed + its exit code) when
+    it wrote none."""
+    result_path.unlink(missing_ok=True)
+    child = multiprocessing.get_context("spawn").Process(target=target, args=(*args, str(result_path)))
+    child.start()
+    child.join()
+    if child.exitcode != 0 or not result_path.exists():
+        raise StageError(f"{failed} (exit code {child.exitcode})")
+    return json.loads(result_path.read_text())
 
 
 def launched() -> bool:

@@ -91,6 +91,7 @@ def test_the_recipe_arm_runs_without_the_filter_and_a_last_run_as_the_preset_fil
 
 def test_the_preset_run_is_reported_beside_the_comparison_not_in_it(sft_done, tmp_path, monkeypatch):
     """The bench's bookkeeping with the four runs (each arm's figures written by a stand-in for its process)."""
+    from recipe import runs
     from recipe.rl import bench_trl
 
     cfg, args = sft_done
@@ -113,7 +114,7 @@ def test_the_preset_run_is_reported_beside_the_comparison_not_in_it(sft_done, tm
         def join(self):
             pass
 
-    monkeypatch.setattr(bench_trl.multiprocessing, "get_context", lambda kind: type("Ctx", (), {"Process": Child}))
+    monkeypatch.setattr(runs.multiprocessing, "get_context", lambda kind: type("Ctx", (), {"Process": Child}))
     monkeypatch.chdir(tmp_path)
     bench_trl.main(args)
     out = json.loads((stage_dir(cfg, "bench") / "trl.json").read_text())

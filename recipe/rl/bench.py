@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing
 import shutil
 import time
 from pathlib import Path
@@ -23,12 +22,12 @@ from omegaconf import OmegaConf
 
 from recipe.config import load_config
 from recipe.data.schema import read_split
-from recipe.errors import StageError
 from recipe.eval.report import write_bench
 from recipe.eval.runner import evaluate
 from recipe.inference.hf import HFEngine
 from recipe.rl.loop import run_rl
-from recipe.runs import Began, load_avg, require_done, stage_argv, stage_dir, stage_main, write_atomic
+from recipe.runs import (Began, load_avg, require_done, run_spawned, stage_argv, stage_dir, stage_main,
+                         write_atomic)
 
 ORDER = (0, 1, 2, 1, 0)  # A-B-C-B-A: every level's runs centred on the same moment of the bench
 
@@ -82,15 +81,8 @@ def run_level(argv: list[str], level: int, out_dir: str, result_path: str) -> No
 
 def run_in_child(argv: list[str], level: int, out_dir: Path) -> dict:
     """bench_level in a spawned process (nothing of an earlier run in its memory); its figures."""
-    result_path = out_dir.with_suffix(".json")
-    result_path.unlink(missing_ok=True)
-    child = multiprocessing.get_context("spawn").Process(target=run_level,
-                                                         args=(argv, level, str(out_dir), str(result_path)))
-    child.start()
-    child.join()
-    if child.exitcode != 0 or not result_path.exists():
-        raise StageError(f"bench-rl: the level {level} run in {out_dir} failed (exit code {child.exitcode})")
-    return json.loads(result_path.read_text())
+    return run_spawned(run_level, (argv, level, str(out_dir)), out_dir.with_suffix(".json"),
+                       f"bench-rl: the level {level} run in {out_dir} failed")
 
 
 def level_means(level: int, runs: list[dict]) -> dict:

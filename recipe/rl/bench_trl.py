@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import json
 import math
-import multiprocessing
 import os
 import resource
 import shutil
@@ -49,14 +48,15 @@ from recipe.chat import completion_text
 from recipe.config import load_config
 from recipe.data.schema import read_split
 from recipe.envs import get_env
-from recipe.errors import ConfigError, StageError
+from recipe.errors import ConfigError
 from recipe.eval.report import write_bench
 from recipe.eval.runner import evaluate
 from recipe.inference.hf import HFEngine
 from recipe.model import load_pretrained
 from recipe.rl.loop import run_rl
 from recipe.rl.soak import RSSSampler
-from recipe.runs import Began, load_avg, require_done, stage_argv, stage_dir, stage_main, write_atomic
+from recipe.runs import (Began, load_avg, require_done, run_spawned, stage_argv, stage_dir, stage_main,
+                         write_atomic)
 from recipe.sandbox import warm
 
 ENVS = ("math", "logic", "code")
@@ -221,18 +221,11 @@ def bench(cfg, argv: list[str]) -> None:
     require_done(cfg, "sft")
     bench_dir = stage_dir(cfg, "bench")
     began = Began.now()
-    spawn = multiprocessing.get_context("spawn")
     runs = []
     order = bench_order(cfg)
     for i, arm in enumerate(order):
-        result_path = bench_dir / f"trl_{i}_{arm}.json"
-        result_path.unlink(missing_ok=True)
-        child = spawn.Process(target=run_arm, args=(argv, arm, str(bench_dir / f"trl_{i}_{arm}"), str(result_path)))
-        child.start()
-        child.join()
-        if child.exitcode != 0 or not result_path.exists():
-            raise StageError(f"bench-trl: the {arm} run ({i + 1}/{len(order)}) failed (exit code {child.exitcode})")
-        run = json.loads(result_path.read_text())
+        run = run_spawned(run_arm, (argv, arm, str(bench_dir / f"trl_{i}_{arm}")), bench_dir / f"trl_{i}_{arm}.json",
+                          f"bench-trl: the {arm} run ({i + 1}/{len(order)}) failed")
         runs.append(run)
         print(f"bench-trl: run {i + 1}/{len(order)} {arm}: {run['trained_per_s']:.1f} trained completions/s, "
               f"{run['cpu_s']:.0f} CPU s, held-out {run['held_out_avg']:.3f} ± {run['held_out_se']:.3f}")
