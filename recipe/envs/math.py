@@ -30,7 +30,9 @@ def _verify(answer: str, reference: str, t: int | None) -> float:
 # costs about a millisecond a call on the tiny preset's answers, far more on long ones. Without a timeout in force
 # (every call through Environment.score, whose worker thread cannot set SIGALRM) the verdict depends on the two
 # strings only; a call under a timeout is not kept, as its verdict can depend on the machine's load.
-_cached_verify = functools.lru_cache(maxsize=8192)(lambda answer, reference: _verify(answer, reference, None))
+@functools.lru_cache(maxsize=8192)
+def _cached_verify(answer: str, reference: str) -> float:
+    return _verify(answer, reference, None)
 
 
 def math_correct(answer: str, row: dict) -> float:
