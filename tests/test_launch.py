@@ -113,8 +113,8 @@ def test_cli_error_is_one_line_and_tiny_prints_a_local_plan(tmp_path):
     assert bad.stderr.startswith("error:") and "launcher.trainer_nodes" in bad.stderr
     tiny = run("preset=tiny")
     assert tiny.returncode == 0, tiny.stderr
-    assert "local: one trainer process" in tiny.stdout and "optimizer adamw: AdamW on 1.48M params" in tiny.stdout
-    assert "memory: trainer 22.5 MiB/process" in tiny.stdout  # counted on the tiny model of `make base`
+    assert "local: one trainer process" in tiny.stdout and "optimizer adamw: AdamW on 1.09M params" in tiny.stdout
+    assert "memory: trainer 16.7 MiB/process" in tiny.stdout  # counted on the tiny model of `make base`
     assert not (tmp_path / "tiny").exists()  # a local plan writes nothing
 
 
