@@ -123,7 +123,7 @@ class TinyArch:
     vocab_size: int = 512
     hidden_size: int = 128
     intermediate_size: int = 384
-    num_hidden_layers: int = 4
+    num_hidden_layers: int = 3
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 32
