@@ -151,7 +151,7 @@ def wandb_records(path):
             pos += block - pos % block
             continue
         length, kind = struct.unpack("<HB", data[pos + 4:pos + 7])  # after the checksum
-        if kind == 0:
+        if kind == 0 or pos + 7 + length > len(data):  # the end, or a record the service is still writing
             break
         piece += data[pos + 7:pos + 7 + length]
         pos += 7 + length
