@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# CI runs the tiny preset exactly as `make all` does (about 7.5 minutes on 2 cores in a usual hour: README): the thresholds
-# below are then the claims of RESULTS.md, not of a smaller stand-in.
+# CI runs the tiny preset exactly as `make all` does (about 7.5 minutes on 2 cores in a usual hour: README): the
+# thresholds below are then the claims of RESULTS.md, not of a smaller stand-in.
 CI_ARGS: list[str] = []
 
 pytestmark = pytest.mark.slow
