@@ -88,15 +88,39 @@ def _malloc_trim():
 
 
 def release_free_memory() -> None:
-    """Hand memory the process has freed back to the OS (glibc's malloc_trim; a no-op elsewhere).
-
-    A long RL run frees and reallocates the same large buffers every step (a batch's activations, a weights
-    file read for the engine). glibc keeps freed chunks in its heap, where the next step's buffers of other
-    sizes fragment it, so RSS creeps up although nothing leaks; trimming after each step keeps it flat (`make
-    soak` measures it)."""
+    """Hand memory the process has freed back to the OS now (glibc's malloc_trim; a no-op elsewhere)."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+# Steps between two trims. Each trim hands back the pool of freed chunks the next step would have reused, and the
+# kernel then faults those pages in again, zeroed: a trim after every step made a tiny RL train step about a fifth
+# longer, and bench-trl's recipe arm trains 9% more completions a second trimming at every 10th; `make soak` stays
+# flat either way (docs/performance.md, "Freed memory kept between steps")
+TRIM_EVERY = 10
+
+
+class PeriodicTrim:
+    """Hands freed memory back to the OS at every `every`-th call (release_free_memory), not at each.
+
+    A long run frees and reallocates the same large buffers every step (a batch's activations, a weights file read
+    for the engine). glibc keeps the freed chunks in its heap for the next step; should buffers of other sizes
+    fragment it, RSS creeps up although nothing leaks, and a trim now and then gives the fragments back."""
+
+    def __init__(self, every: int = TRIM_EVERY):
+        if every < 1:
+            raise ValueError(f"PeriodicTrim: every must be at least 1, not {every}")
+        self.every = every
+        self.calls = 0
+
+    def __call__(self) -> bool:
+        """Count a step; trim at every `every`-th. Whether this call trimmed."""
+        self.calls += 1
+        if self.calls % self.every:
+            return False
+        release_free_memory()
+        return True
 
 
 def safetensors_problem(path: Path) -> str | None:

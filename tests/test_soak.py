@@ -7,11 +7,42 @@ figure written.
 import json
 import random
 
+import psutil
+import pytest
+
+from recipe import runs
 from recipe.config import load_config
 from recipe.envs.base import RewardResult
 from recipe.envs.math import MathEnv
 from recipe.rl import soak
 from tests.fakes import save_tiny_qa_model, write_math_rl_data
+
+
+def test_the_periodic_trim_trims_at_every_tenth_call_only(monkeypatch):
+    trims = []
+    monkeypatch.setattr(runs, "release_free_memory", lambda: trims.append(1))
+    trim = runs.PeriodicTrim()
+    assert [call for call in range(1, 32) if trim()] == [10, 20, 30]
+    assert len(trims) == 3
+    two = runs.PeriodicTrim(every=2)
+    assert [call for call in range(1, 6) if two()] == [2, 4]
+    with pytest.raises(ValueError, match="at least 1"):
+        runs.PeriodicTrim(every=0)
+
+
+@pytest.mark.skipif(runs._malloc_trim() is None, reason="glibc's malloc_trim only")
+def test_a_trim_hands_the_freed_heap_back_to_the_os():
+    rss = lambda: psutil.Process().memory_info().rss / (1 << 20)  # noqa: E731
+    chunks = [b"x" * (48 << 10) for _ in range(2000)]  # about 94 MB in the heap: each under the mmap threshold
+    above = b"y" * (48 << 10)  # a live chunk after them, so the heap's top cannot shrink by itself
+    before = rss()
+    del chunks  # freed into the heap, still resident
+    kept = rss()
+    runs.release_free_memory()
+    after = rss()
+    assert kept > before - 20, (before, kept)
+    assert after < kept - 60, (kept, after)
+    assert above[:1] == b"y"
 
 
 def _rows(values_by_step):

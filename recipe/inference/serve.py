@@ -80,7 +80,7 @@ from recipe.inference.vllm.server import SERVED_MODEL_NAME, read_context
 from recipe.inference.vllm.worker_ext import RELOAD_METHOD
 from recipe.model import load_pretrained
 from recipe.rollout import Completion, SamplingParams
-from recipe.runs import release_free_memory
+from recipe.runs import PeriodicTrim
 from recipe.weights import read_weights
 
 DEFAULT_MAX_TOKENS = 16  # vLLM's CompletionRequest default (the OpenAI API's)
@@ -330,6 +330,7 @@ class Scheduler:
         self.stopping = False
         self.batches: deque[int] = deque(maxlen=1000)  # the sizes of the latest batches (tests, the curious)
         self.reloads = 0
+        self.trim = PeriodicTrim()
         self.thread = threading.Thread(target=self._loop, name="generate", daemon=True)
         self.thread.start()
 
@@ -401,7 +402,7 @@ class Scheduler:
         except Exception as e:  # checked beforehand: not expected
             task.error = HTTPError(500, f"loading the weights failed: {type(e).__name__}: {e}")
         task.payload = None  # the state dict: freed before the next batch
-        release_free_memory()
+        self.trim()  # the freed state dicts, now and then: RSS stays flat over a long run
         task.done.set()
 
     def _generate(self, batch: list[_Task]) -> None:

@@ -35,7 +35,7 @@ import torch
 
 from recipe.inference.engine import Cancelled, Done, Event, Request
 from recipe.inference.hf import DecodeBatch, HFEngine
-from recipe.runs import release_free_memory
+from recipe.runs import PeriodicTrim
 
 
 _live_pids: set[int] = set()  # the engine processes this process started and has not closed
@@ -102,6 +102,7 @@ def _worker(model_path, threads, batch_size, max_off_policy_steps, version, cpu,
     cancelled: set[int] = set()  # ids cancelled while their rows run
     batch: DecodeBatch | None = None
     busy = 0.0  # engine seconds not yet reported in a Done event
+    trim = PeriodicTrim()
 
     def handle(msg) -> bool:
         """One command; False on stop."""
@@ -112,7 +113,7 @@ def _worker(model_path, threads, batch_size, max_off_policy_steps, version, cpu,
             pending.extend(msg[1])
         elif msg[0] == "update":
             engine.update_weights(msg[1], msg[2])
-            release_free_memory()  # the weights file just read: RSS stays flat over a long run
+            trim()  # the weights files read, now and then: RSS stays flat over a long run
             res_q.put(("updated", msg[2]))
         elif msg[0] == "cancel":
             drop = set(msg[1])

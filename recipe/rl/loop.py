@@ -30,7 +30,7 @@ from recipe.rl.dist import World, load_sharded, split_by_tokens
 from recipe.rl.orchestrator import Orchestrator
 from recipe.rl.trainer import (build_optimizer, scheduler_for, full_state_dict, latest_checkpoint,
                                load_checkpoint, publish_weights, save_checkpoint, train_step)
-from recipe.runs import STOP, MetricsLog, release_free_memory, require_done
+from recipe.runs import STOP, MetricsLog, PeriodicTrim, require_done
 from recipe.sandbox.runner import run_on_cores
 from recipe.tracking import Tracker
 
@@ -128,6 +128,7 @@ def _rl_loop(cfg, stage_dir, start_model, world: World, tracker: Tracker):
         bar = tqdm(total=rl.max_steps, initial=step, desc="rl", unit="step", disable=not world.main)
         t_start = time.perf_counter()
         saved = step
+        trim = PeriodicTrim()
 
         def evaluate_policy() -> dict:
             """Rank 0: the eval due at this step (the engine holds this step's weights), for the step's record."""
@@ -152,7 +153,7 @@ def _rl_loop(cfg, stage_dir, start_model, world: World, tracker: Tracker):
                 step += 1
                 publish(step)
                 t_published = time.perf_counter()
-                release_free_memory()  # the step's activations: RSS stays flat over a long run (make soak)
+                trim()  # the freed activations, now and then: RSS stays flat over a long run (make soak)
                 if step % rl.checkpoint_every == 0 or step == rl.max_steps or world.any(STOP.requested):
                     checkpoint()
                     saved = step
