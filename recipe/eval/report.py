@@ -209,9 +209,9 @@ def trl_bench_section(cfg) -> str:
            f"{cfg.rl.staleness}: docs/architecture.md; TRL is on-policy) in a process of its own on one core (TRL "
            "generates in-process on both); here a group's prompt is computed once for its samples, in the engine's "
            "prefill and the trainer's forward and backward (TRL computes it for every sample; the same gradient "
-           "either way). Unequal against this recipe: its arm writes a resumable checkpoint (weights, optimizer, "
-           f"orchestrator) every rl.checkpoint_every steps ({cfg.rl.checkpoint_every}), TRL's none (save_strategy "
-           "no). Both arms run the same model code, "
+           "either way). A cost on this recipe's side only: its arm writes a resumable checkpoint (weights, "
+           f"optimizer, orchestrator) every rl.checkpoint_every steps ({cfg.rl.checkpoint_every}), TRL's none "
+           "(save_strategy no). Both arms run the same model code, "
            "loaded by this project (sdpa over grouped key/value heads on the CPU: docs/performance.md). "
            f"Commit {_commit(prov)}, "
            f"{prov['hardware']['cpus']} CPUs, load {loads} at the runs' ends.\n\n",
