@@ -138,14 +138,22 @@ class Ctx:
 
 
 @pytest.fixture
-def ctx(host, tmp_path):
+def ctx(host, tmp_path, monkeypatch):
     outside = tmp_path / "outside"
     outside.mkdir()
     (outside / "sentinel").write_text("untouched")
     c = Ctx(host, outside)
     c.accepted = (host["tcp"].accepted, host["unix"].accepted)
-    c.workdirs = set(Path(tempfile.gettempdir()).glob("recipe-sandbox-*"))
-    return c
+    # the host's temporary folder for this test alone, made like /tmp: the rlimit backend's workdirs go there, and
+    # "nothing left in it" counts this test's runs only (a test file running beside this one, under pytest -n,
+    # makes workdirs of its own in /tmp)
+    private = tempfile.mkdtemp(prefix="recipe-test-tmp-")
+    os.chmod(private, 0o1777)
+    monkeypatch.setattr(tempfile, "tempdir", private)
+    c.workdirs = set(Path(private).glob("recipe-sandbox-*"))
+    yield c
+    monkeypatch.undo()
+    subprocess.run(["rm", "-rf", private])
 
 
 def marked(mark: str, body: str) -> str:
