@@ -222,13 +222,22 @@ def test_prompts_join_as_rows_finish_and_each_gets_what_it_gets_alone(engine):
     assert len(lengths) > 3  # rows finished at many different steps
 
 
-def test_a_groups_samples_share_one_prefill_of_their_prompt_and_each_gets_what_it_gets_alone(engine):
+@pytest.mark.parametrize("written_out", [True, False])
+def test_a_groups_samples_share_one_prefill_of_their_prompt_and_each_gets_what_it_gets_alone(engine, monkeypatch,
+                                                                                              written_out):
     """A group's samples (one prompt, different seeds) join together: the prompt is prefilled once, each row copies
-    its cache, and every sample is the one its prompt and seed get alone."""
+    its cache, and every sample is the one its prompt and seed get alone; through the written-out prefill and
+    through transformers' forward."""
+    from recipe.inference import glm4moe_step
+
     base = prompts(engine)
     ps = [base[0]] * 6 + [base[1]] * 5 + [base[2]]
     params = [SamplingParams(max_new_tokens=6, temperature=1.0, seed=900 + i) for i in range(len(ps))]
+    monkeypatch.setattr(engine, "written_out_decode", written_out)
     prefill_rows = []
+    prefill = glm4moe_step.prefill_logits
+    monkeypatch.setattr(glm4moe_step, "prefill_logits",
+                        lambda model, ids, *a: prefill_rows.append(ids.shape) or prefill(model, ids, *a))
     hook = engine.model.register_forward_pre_hook(
         lambda m, args, kwargs: prefill_rows.append(kwargs["input_ids"].shape) if kwargs["input_ids"].shape[1] > 1
         else None, with_kwargs=True)
@@ -320,8 +329,9 @@ def _glm_variant(tok, dtype=torch.float32, **arch):
     {"dtype": torch.bfloat16},
 ])
 def test_the_written_out_decode_step_gives_transformers_logits_and_cache(engine, variant):
-    """recipe.inference.glm4moe_step against transformers' forward of the same model, one decode step of rows of
-    different lengths on the engine's buffers: the same logits and the same keys and values written."""
+    """recipe.inference.glm4moe_step against transformers' forward of the same model: the prefill of left-padded
+    prompts of different lengths, then decode steps on the engine's buffers: the same logits and the same keys and
+    values written, after the prefill and after the steps."""
     from recipe.inference import glm4moe_step
     from recipe.inference.hf import DecodeBatch
 
@@ -338,14 +348,15 @@ def test_the_written_out_decode_step_gives_transformers_logits_and_cache(engine,
         fast.written_out_decode = written
         batch = DecodeBatch(fast, params[0])
         batch.admit(list(range(len(ps))), ps, params)
+        states = [([layer.keys.clone() for layer in batch.cache.layers], batch.logits.clone())]  # the prefill's
         for _ in range(3):
             batch.step()
-        caches.append(([layer.keys.clone() for layer in batch.cache.layers], batch.logits.clone()))
-    (keys_w, logits_w), (keys_t, logits_t) = caches
+        caches.append(states + [([layer.keys.clone() for layer in batch.cache.layers], batch.logits.clone())])
     tol = {"atol": 0, "rtol": 0} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}  # float32: every bit
-    torch.testing.assert_close(logits_w, logits_t, **tol)
-    for a, b in zip(keys_w, keys_t):
-        torch.testing.assert_close(a, b, **tol)
+    for (keys_w, logits_w), (keys_t, logits_t) in zip(*caches):
+        torch.testing.assert_close(logits_w, logits_t, **tol)
+        for a, b in zip(keys_w, keys_t):
+            torch.testing.assert_close(a, b, **tol)
     fast.written_out_decode = True
     out = fast.generate_each(ps, params)
     fast.written_out_decode = False

@@ -302,8 +302,8 @@ def test_packed_rows_attend_within_themselves_with_the_loss_and_gradients_of_the
     batch = packed_rows([[5, 1, 7, 3], [13, 2, 4], [6, 6, 6, 1], [2, 9]], width=20)
     plan = RowPlan(batch["position_ids"], rows_per_call=4)
     # 13 rows and 4 padding rows (4, 1, 1 and 9 long), longest first, 4 to a call
-    assert [rows for _, rows, _, _ in plan.calls] == [4, 4, 4, 4, 1]
-    assert [longest for _, _, longest, _ in plan.calls] == [13, 6, 4, 2, 1]
+    assert [rows for rows, _ in plan.calls] == [4, 4, 4, 4, 1]
+    assert [longest for _, longest in plan.calls] == [13, 6, 4, 2, 1]
     results = {}
     for name in (SDPA_GQA, SDPA_ROWS):
         model = tiny_model()

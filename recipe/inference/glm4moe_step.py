@@ -8,15 +8,20 @@ parameters at each call, so weights loaded into the model (HFEngine.update_weigh
 step is about two thirds of transformers' forward (`make bench-engine` times both side by side: RESULTS.md); the
 tiny RL stage took 12% less wall time with it and the engine's joins together (docs/performance.md).
 
+`prefill_logits` does the same for the prompts that join a batch (several tokens a row, left-padded): transformers'
+forward costs about 7 ms a call here whatever the prompts (about 1 ms more a prompt), and the RL engine prefills a
+group or two at a time, several times a step. Its last-position logits and the cache equal transformers' to the
+last bit too (tests/test_hf_engine.py).
+
 It covers the architecture this recipe trains and nothing else: `supported(model)` says when; the engine keeps
-transformers' forward for any other model, on other devices, and for prefills (several tokens a row).
+transformers' forward for any other model and on other devices.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from recipe.model.attention import decode_attention
+from recipe.model.attention import decode_attention, decode_bias, sdpa_gqa_attention
 
 
 def supported(model) -> bool:
@@ -90,6 +95,51 @@ def _routed(x: torch.Tensor, moe) -> torch.Tensor:
     return unsorted.view(x.shape[0], top_k, -1).sum(dim=1).to(x.dtype)
 
 
+def _rotary(rotary, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of `positions` (any shape) for the rotary dims, in `dtype`, with a last axis of rotary dims."""
+    freqs = positions.unsqueeze(-1).float() * rotary.inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return (angles.cos() * rotary.attention_scaling).to(dtype), (angles.sin() * rotary.attention_scaling).to(dtype)
+
+
+def _mlp(h: torch.Tensor, mlp) -> torch.Tensor:
+    """A layer's MLP on the rows h (tokens, hidden): the routed and shared experts, or the dense one."""
+    if hasattr(mlp, "experts"):
+        return _routed(h, mlp) + _swiglu(h, mlp.shared_experts)
+    return _swiglu(h, mlp)
+
+
+@torch.no_grad()
+def prefill_logits(model, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache) -> torch.Tensor:
+    """The next-token logits after each prompt of `ids` (prompts, width), left-padded (`mask` 1 on real tokens,
+    `positions` from 0 at each prompt's first), their keys and values written into `cache` (columns [0, width) of
+    the engine's buffer layers). Returns (prompts, vocab) in the model's dtype: the last position's only."""
+    inner = model.model
+    n, width = ids.shape
+    x = inner.embed_tokens(ids)  # (prompts, width, hidden)
+    cos, sin = _rotary(inner.rotary_emb, positions, x.dtype)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (prompts, 1, width, rotary dims): every head
+    # transformers' mask for left padding: causal, real keys only (a padding query sees nothing; sdpa gives it 0)
+    causal = torch.ones(width, width, dtype=torch.bool, device=ids.device).tril()
+    allowed = (causal[None] & mask.bool()[:, None, :])[:, None]  # (prompts, 1, width, width)
+    for layer, kv in zip(inner.layers, cache.layers):
+        attn = layer.self_attn
+        h = _rms(x, layer.input_layernorm)
+        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(n, width, -1, attn.head_dim)
+        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(n, width, -1, attn.head_dim)
+        v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(n, width, -1, attn.head_dim)
+        if attn.use_qk_norm:
+            q, k = _rms(q, attn.q_norm), _rms(k, attn.k_norm)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (prompts, heads, width, head dim)
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        keys, values = kv.update(k, v, attn.layer_idx)
+        out, _ = sdpa_gqa_attention(attn, q, keys, values, allowed, scaling=attn.scaling)  # transformers' own call
+        x = x + F.linear(out.reshape(n, width, -1), attn.o_proj.weight)
+        h = _rms(x, layer.post_attention_layernorm)
+        x = x + _mlp(h.view(n * width, -1), layer.mlp).view(n, width, -1)
+    return model.lm_head(_rms(x, inner.norm))[:, -1]  # every position, as transformers: fewer rows round apart
+
+
 @torch.no_grad()
 def decode_logits(model, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
     """Next-token logits of every row after feeding `tokens` (rows,) at `positions` (rows,), their keys and values
@@ -99,10 +149,9 @@ def decode_logits(model, tokens: torch.Tensor, positions: torch.Tensor, mask: to
     rows = tokens.shape[0]
     x = inner.embed_tokens(tokens)
     rotary = inner.rotary_emb
-    freqs = positions.unsqueeze(-1).float() * rotary.inv_freq
-    angles = torch.cat((freqs, freqs), dim=-1)
-    cos = (angles.cos() * rotary.attention_scaling).to(x.dtype).unsqueeze(1)  # (rows, 1, rotary dims): every head
-    sin = (angles.sin() * rotary.attention_scaling).to(x.dtype).unsqueeze(1)
+    cos, sin = _rotary(rotary, positions, x.dtype)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (rows, 1, rotary dims): every head
+    bias = decode_bias(mask, x.dtype)  # every layer's
     for layer, kv in zip(inner.layers, cache.layers):
         attn = layer.self_attn
         h = _rms(x, layer.input_layernorm)
@@ -113,12 +162,8 @@ def decode_logits(model, tokens: torch.Tensor, positions: torch.Tensor, mask: to
             q, k = _rms(q, attn.q_norm), _rms(k, attn.k_norm)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         keys, values = kv.update(k.unsqueeze(2), v.unsqueeze(2), attn.layer_idx)
-        out = decode_attention(q.unsqueeze(2), keys, values, mask, attn.scaling)
+        out = decode_attention(q.unsqueeze(2), keys, values, bias, attn.scaling)
         x = x + F.linear(out.reshape(rows, -1), attn.o_proj.weight)
         h = _rms(x, layer.post_attention_layernorm)
-        mlp = layer.mlp
-        if hasattr(mlp, "experts"):
-            x = x + (_routed(h, mlp) + _swiglu(h, mlp.shared_experts))
-        else:
-            x = x + _swiglu(h, mlp)
+        x = x + _mlp(h, layer.mlp)
     return model.lm_head(_rms(x, inner.norm))

@@ -146,8 +146,11 @@ class DecodeBatch:
         # the batch goes where the model is (a GPU: scripts/gpu_check.sh); on CPU every .to() below is a no-op
         input_ids, mask, positions = input_ids.to(device), mask.to(device), positions.to(device)
         cache = _empty_cache(model, len(prompts), width)
-        logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
-                       use_cache=True).logits[:, -1].float()[rows]
+        if self.engine.written_out_decode:
+            logits = glm4moe_step.prefill_logits(model, input_ids, mask, positions, cache).float()[rows]
+        else:
+            logits = model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                           use_cache=True).logits[:, -1].float()[rows]
         most = max(q.max_new_tokens for q in params)
         # every row's uniforms for every step, from its own generator, drawn when it joins (on the CPU whatever
         # the device, so a seed draws the same uniforms on a GPU)
@@ -346,8 +349,8 @@ class HFEngine:
         self.pad_id = tokenizer.pad_token_id
         self.batch_size = batch_size
         self.policy_version = 0
-        # decode steps through recipe.inference.glm4moe_step where it covers the model (the tiny model on the CPU):
-        # the same logits, less CPU a step; prefills, and any other model or device, through transformers' forward
+        # decode steps and prefills through recipe.inference.glm4moe_step where it covers the model (the tiny model
+        # on the CPU): the same logits, less CPU a step; any other model or device through transformers' forward
         self.written_out_decode = glm4moe_step.supported(model)
 
     @classmethod

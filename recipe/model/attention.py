@@ -48,15 +48,23 @@ def decode_attention(query, key, value, attention_mask, scaling):
     rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)  # head h reads key/value head h // groups
-    scores = torch.matmul(grouped, key.transpose(-1, -2)) * (dim ** -0.5 if scaling is None else scaling)
+    # the scale and the mask in place: the scores are this call's own (each new tensor here costs as much as the op)
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).mul_(dim ** -0.5 if scaling is None else scaling)
     if attention_mask is not None:  # (rows or 1, 1, 1, kv): broadcast over the heads
         if attention_mask.dtype == torch.bool:  # the finite minimum, not -inf: an all-masked row stays finite
-            scores = scores.masked_fill(~attention_mask, torch.finfo(scores.dtype).min)
-        else:
-            scores = scores + attention_mask
+            scores.masked_fill_(~attention_mask, torch.finfo(scores.dtype).min)
+        else:  # additive (decode_bias): the same scores, as a score plus the minimum rounds to the minimum
+            scores.add_(attention_mask)
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(value.dtype)
     out = torch.matmul(weights, value)  # (rows, kv_heads, groups, dim)
     return out.reshape(rows, 1, heads, dim)  # (rows, query, heads, dim), as the callers take it
+
+
+def decode_bias(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean decode mask (True: may attend) as decode_attention's additive one: 0 where a row may attend, the
+    dtype's finite minimum where not. Made once a decode step for every layer, instead of a layer's inverting and
+    filling of the mask."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, torch.finfo(dtype).min)
 
 
 AttentionInterface.register(SDPA_GQA, sdpa_gqa_attention)
@@ -79,9 +87,8 @@ ROWS_PER_CALL = 8
 
 
 class RowPlan:
-    """Where the rows of a packed (batch, length) position-id tensor lie, and how they are batched: for each call
-    the flat token index of every (row, column) slot (a padding slot repeats its row's last token) and the slots
-    that are real tokens; `inverse` puts the calls' real tokens back in the packed order."""
+    """Where the rows of a packed (batch, length) position-id tensor lie, and how they are batched: the rows and
+    longest length of each call, and the gather and pick of _one_gather."""
 
     def __init__(self, position_ids: torch.Tensor, rows_per_call: int = ROWS_PER_CALL):
         batch, width = position_ids.shape
@@ -90,10 +97,9 @@ class RowPlan:
         starts = first.nonzero().flatten()  # a row ends where the next starts (every sequence start is one)
         lengths = torch.cat([starts[1:], torch.tensor([batch * width])]) - starts
         calls, inverse = _row_calls(starts, lengths, rows_per_call)
-        device = position_ids.device
-        self.calls = [(slots.to(device), len(rows), longest, is_real.nonzero().flatten().to(device))
-                      for rows, longest, slots, is_real in calls]
-        self.inverse = inverse.to(device)
+        self.calls = [(len(rows), longest) for rows, longest, _, _ in calls]
+        self.gather, self.sizes, self.pick = (t.to(position_ids.device) if torch.is_tensor(t) else t
+                                              for t in _one_gather(calls, inverse))
 
 
 def _row_calls(starts: torch.Tensor, lengths: torch.Tensor, rows_per_call: int) -> tuple[list, torch.Tensor]:
@@ -115,6 +121,17 @@ def _row_calls(starts: torch.Tensor, lengths: torch.Tensor, rows_per_call: int) 
     inverse = torch.empty_like(flat)
     inverse[flat] = torch.arange(len(flat))
     return calls, inverse
+
+
+def _one_gather(calls: list, inverse: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """Every call's slots in one gather (`gather`, split into the calls by `sizes`), and the one `pick` that takes
+    the real tokens of the calls' outputs, laid end to end, back to the flat order. One index_select a tensor
+    instead of one a call: the backward of each allocates and zeroes a gradient of the whole tensor, and autograd
+    then sums them (a tenth of a tiny RL trainer step went to that: docs/performance.md, "RL: a step")."""
+    sizes = [len(slots) for _, _, slots, _ in calls]
+    offsets = torch.cumsum(torch.tensor([0] + sizes[:-1]), 0)
+    real = torch.cat([is_real.nonzero().flatten() + at for (_, _, _, is_real), at in zip(calls, offsets)])
+    return torch.cat([slots for _, _, slots, _ in calls]), sizes, real[inverse]
 
 
 def _row_plan(position_ids: torch.Tensor) -> RowPlan:
@@ -140,13 +157,14 @@ def sdpa_rows_attention(module, query, key, value, attention_mask, dropout=0.0, 
     k = key.transpose(1, 2).reshape(batch * width, kv_heads, dim)
     v = value.transpose(1, 2).reshape(batch * width, kv_heads, dim)
     outs = []
-    for slots, rows, longest, is_real in plan.calls:
+    for (rows, longest), qc, kc, vc in zip(plan.calls, *(t.index_select(0, plan.gather).split(plan.sizes)
+                                                          for t in (q, k, v))):
         # (rows, heads, longest, dim) of each: the call's rows, padded at the right
-        qc, kc, vc = (t.index_select(0, slots).view(rows, longest, t.shape[1], dim).transpose(1, 2) for t in (q, k, v))
+        qc, kc, vc = (t.view(rows, longest, t.shape[1], dim).transpose(1, 2) for t in (qc, kc, vc))
         out = F.scaled_dot_product_attention(qc, kc, vc, dropout_p=dropout, scale=scaling, is_causal=True,
                                              enable_gqa=kv_heads != heads)
-        outs.append(out.transpose(1, 2).reshape(rows * longest, heads, dim).index_select(0, is_real))
-    return torch.cat(outs).index_select(0, plan.inverse).view(batch, width, heads, dim), None
+        outs.append(out.transpose(1, 2).reshape(rows * longest, heads, dim))
+    return torch.cat(outs).index_select(0, plan.pick).view(batch, width, heads, dim), None
 
 
 def rows_mask(batch_size, q_length, kv_length, *args, attention_mask=None, **kwargs):
@@ -170,9 +188,8 @@ SDPA_PREFIX = "sdpa_prefix"
 
 
 class PrefixRows:
-    """The layout of a flat pass: for each sdpa call, the flat slots of its rows (a padding slot repeats its row's
-    last token), the real ones among them, the rows' prompts and the call's mask; `inverse` puts the calls' real
-    tokens back in the flat order. lengths: [rows] completion tokens (at least 1 each), laid end to end in this
+    """The layout of a flat pass: for each sdpa call its rows, longest length, the rows' prompts, their width and the
+    call's mask, and the gather and pick of _one_gather (a padding slot repeats its row's last token). lengths: [rows] completion tokens (at least 1 each), laid end to end in this
     order; prompt_rows: [rows] each row's prompt; prompt_kv: keys, values, keys, ... of every layer, each
     [prompts, kv heads, prompt width, head dim]; prompt_mask: [prompts, prompt width], 1 on real prompt tokens."""
 
@@ -184,15 +201,15 @@ class PrefixRows:
         prompt_lengths = prompt_mask.sum(1).cpu()
         calls, inverse = _row_calls(torch.cumsum(lengths, 0) - lengths, lengths, rows_per_call)
         self.calls = []
-        for rows, longest, slots, is_real in calls:
+        for rows, longest, _, _ in calls:
             prompt_width = int(prompt_lengths[prompt_rows[rows]].max())
             prompts = prompt_rows[rows].to(device)
             # (rows, 1, longest, prompt width + longest): the prompt's real keys, then the row's own up to the query
             sees_prompt = prompt_mask[prompts, :prompt_width].bool()[:, None, None, :].expand(-1, 1, longest, -1)
             sees_own = torch.ones(longest, longest, dtype=torch.bool, device=device).tril().expand(len(rows), 1, -1, -1)
-            self.calls.append((slots.to(device), len(rows), longest, is_real.nonzero().flatten().to(device), prompts,
-                               prompt_width, torch.cat([sees_prompt, sees_own], -1)))
-        self.inverse = inverse.to(device)
+            self.calls.append((len(rows), longest, prompts, prompt_width, torch.cat([sees_prompt, sees_own], -1)))
+        self.gather, self.sizes, self.pick = (t.to(device) if torch.is_tensor(t) else t
+                                              for t in _one_gather(calls, inverse))
 
 
 def sdpa_prefix_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
@@ -205,15 +222,17 @@ def sdpa_prefix_attention(module, query, key, value, attention_mask, dropout=0.0
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, dim)
     prompt_keys = prefix_rows.prompt_kv[2 * module.layer_idx]
     prompt_values = prefix_rows.prompt_kv[2 * module.layer_idx + 1]
+    layout = prefix_rows
     outs = []
-    for slots, rows, longest, is_real, prompts, prompt_width, mask in prefix_rows.calls:
-        qc, kc, vc = (t.index_select(0, slots).view(rows, longest, t.shape[1], dim).transpose(1, 2) for t in (q, k, v))
+    for (rows, longest, prompts, prompt_width, mask), qc, kc, vc in zip(
+            layout.calls, *(t.index_select(0, layout.gather).split(layout.sizes) for t in (q, k, v))):
+        qc, kc, vc = (t.view(rows, longest, t.shape[1], dim).transpose(1, 2) for t in (qc, kc, vc))
         kc = torch.cat([prompt_keys.index_select(0, prompts)[:, :, :prompt_width].to(kc.dtype), kc], 2)
         vc = torch.cat([prompt_values.index_select(0, prompts)[:, :, :prompt_width].to(vc.dtype), vc], 2)
         out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, dropout_p=dropout, scale=scaling,
                                              enable_gqa=kv_heads != heads)
-        outs.append(out.transpose(1, 2).reshape(rows * longest, heads, dim).index_select(0, is_real))
-    return torch.cat(outs).index_select(0, prefix_rows.inverse).view(1, width, heads, dim), None
+        outs.append(out.transpose(1, 2).reshape(rows * longest, heads, dim))
+    return torch.cat(outs).index_select(0, layout.pick).view(1, width, heads, dim), None
 
 
 AttentionInterface.register(SDPA_PREFIX, sdpa_prefix_attention)
