@@ -8,10 +8,10 @@ parameters at each call, so weights loaded into the model (HFEngine.update_weigh
 step is about two thirds of transformers' forward (`make bench-engine` times both side by side: RESULTS.md); the
 tiny RL stage took 12% less wall time with it and the engine's joins together (docs/performance.md).
 
-`prefill_logits` does the same for the prompts that join a batch (several tokens a row, left-padded): transformers'
-forward costs about 7 ms a call here whatever the prompts (about 1 ms more a prompt), and the RL engine prefills a
-group or two at a time, several times a step. Its last-position logits and the cache equal transformers' to the
-last bit too (tests/test_hf_engine.py).
+`prefill_logits` does the same for the prompts that join a batch (several tokens a row, left-padded): the RL engine
+prefills a group or two at a time, several times a step, and transformers' forward costs several ms a call whatever
+the prompts; this takes about a fifth less CPU for one to four prompts (docs/performance.md). Its last-position
+logits and the cache equal transformers' to the last bit too (tests/test_hf_engine.py).
 
 It covers the architecture this recipe trains and nothing else: `supported(model)` says when; the engine keeps
 transformers' forward for any other model and on other devices.

@@ -48,7 +48,7 @@ def decode_attention(query, key, value, attention_mask, scaling):
     rows, heads, _, dim = query.shape
     kv_heads = key.shape[1]
     grouped = query.reshape(rows, kv_heads, heads // kv_heads, dim)  # head h reads key/value head h // groups
-    # the scale and the mask in place: the scores are this call's own (each new tensor here costs as much as the op)
+    # the scale and the mask in place, on scores no one else holds: a new tensor for each cost about what the op did
     scores = torch.matmul(grouped, key.transpose(-1, -2)).mul_(dim ** -0.5 if scaling is None else scaling)
     if attention_mask is not None:  # (rows or 1, 1, 1, kv): broadcast over the heads
         if attention_mask.dtype == torch.bool:  # the finite minimum, not -inf: an all-masked row stays finite
@@ -127,7 +127,8 @@ def _one_gather(calls: list, inverse: torch.Tensor) -> tuple[torch.Tensor, list[
     """Every call's slots in one gather (`gather`, split into the calls by `sizes`), and the one `pick` that takes
     the real tokens of the calls' outputs, laid end to end, back to the flat order. One index_select a tensor
     instead of one a call: the backward of each allocates and zeroes a gradient of the whole tensor, and autograd
-    then sums them (a tenth of a tiny RL trainer step went to that: docs/performance.md, "RL: a step")."""
+    then sums them (3% of a tiny RL trainer step: docs/performance.md, "RL: a step"). The same gradients to the
+    last bit: a padding slot's is exactly 0."""
     sizes = [len(slots) for _, _, slots, _ in calls]
     offsets = torch.cumsum(torch.tensor([0] + sizes[:-1]), 0)
     real = torch.cat([is_real.nonzero().flatten() + at for (_, _, _, is_real), at in zip(calls, offsets)])
@@ -189,9 +190,10 @@ SDPA_PREFIX = "sdpa_prefix"
 
 class PrefixRows:
     """The layout of a flat pass: for each sdpa call its rows, longest length, the rows' prompts, their width and the
-    call's mask, and the gather and pick of _one_gather (a padding slot repeats its row's last token). lengths: [rows] completion tokens (at least 1 each), laid end to end in this
-    order; prompt_rows: [rows] each row's prompt; prompt_kv: keys, values, keys, ... of every layer, each
-    [prompts, kv heads, prompt width, head dim]; prompt_mask: [prompts, prompt width], 1 on real prompt tokens."""
+    call's mask, and the gather and pick of _one_gather (a padding slot repeats its row's last token).
+    lengths: [rows] completion tokens (at least 1 each), laid end to end in this order; prompt_rows: [rows] each
+    row's prompt; prompt_kv: keys, values, keys, ... of every layer, each [prompts, kv heads, prompt width, head
+    dim]; prompt_mask: [prompts, prompt width], 1 on real prompt tokens."""
 
     def __init__(self, lengths: torch.Tensor, prompt_rows: torch.Tensor, prompt_kv: list[torch.Tensor],
                  prompt_mask: torch.Tensor, rows_per_call: int = ROWS_PER_CALL):
