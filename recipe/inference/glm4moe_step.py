@@ -102,6 +102,17 @@ def _rotary(rotary, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.
     return (angles.cos() * rotary.attention_scaling).to(dtype), (angles.sin() * rotary.attention_scaling).to(dtype)
 
 
+def _qkv(h: torch.Tensor, attn, shape: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A layer's queries, keys and values of the rows h, each viewed as `shape` (heads on its next-to-last axis),
+    queries and keys normed where the model norms them (GLM's qk norm)."""
+    q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(shape)
+    k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(shape)
+    v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(shape)
+    if attn.use_qk_norm:
+        q, k = _rms(q, attn.q_norm), _rms(k, attn.k_norm)
+    return q, k, v
+
+
 def _mlp(h: torch.Tensor, mlp) -> torch.Tensor:
     """A layer's MLP on the rows h (tokens, hidden): the routed and shared experts, or the dense one."""
     if hasattr(mlp, "experts"):
@@ -125,11 +136,7 @@ def prefill_logits(model, ids: torch.Tensor, mask: torch.Tensor, positions: torc
     for layer, kv in zip(inner.layers, cache.layers):
         attn = layer.self_attn
         h = _rms(x, layer.input_layernorm)
-        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(n, width, -1, attn.head_dim)
-        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(n, width, -1, attn.head_dim)
-        v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(n, width, -1, attn.head_dim)
-        if attn.use_qk_norm:
-            q, k = _rms(q, attn.q_norm), _rms(k, attn.k_norm)
+        q, k, v = _qkv(h, attn, (n, width, -1, attn.head_dim))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (prompts, heads, width, head dim)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         keys, values = kv.update(k, v, attn.layer_idx)
@@ -148,18 +155,13 @@ def decode_logits(model, tokens: torch.Tensor, positions: torch.Tensor, mask: to
     inner = model.model
     rows = tokens.shape[0]
     x = inner.embed_tokens(tokens)
-    rotary = inner.rotary_emb
-    cos, sin = _rotary(rotary, positions, x.dtype)
+    cos, sin = _rotary(inner.rotary_emb, positions, x.dtype)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (rows, 1, rotary dims): every head
     bias = decode_bias(mask, x.dtype)  # every layer's
     for layer, kv in zip(inner.layers, cache.layers):
         attn = layer.self_attn
         h = _rms(x, layer.input_layernorm)
-        q = F.linear(h, attn.q_proj.weight, attn.q_proj.bias).view(rows, -1, attn.head_dim)
-        k = F.linear(h, attn.k_proj.weight, attn.k_proj.bias).view(rows, -1, attn.head_dim)
-        v = F.linear(h, attn.v_proj.weight, attn.v_proj.bias).view(rows, -1, attn.head_dim)
-        if attn.use_qk_norm:
-            q, k = _rms(q, attn.q_norm), _rms(k, attn.k_norm)
+        q, k, v = _qkv(h, attn, (rows, -1, attn.head_dim))
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         keys, values = kv.update(k.unsqueeze(2), v.unsqueeze(2), attn.layer_idx)
         out = decode_attention(q.unsqueeze(2), keys, values, bias, attn.scaling)
