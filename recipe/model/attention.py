@@ -98,8 +98,7 @@ class RowPlan:
         lengths = torch.cat([starts[1:], torch.tensor([batch * width])]) - starts
         calls, inverse = _row_calls(starts, lengths, rows_per_call)
         self.calls = [(len(rows), longest) for rows, longest, _, _ in calls]
-        self.gather, self.sizes, self.pick = (t.to(position_ids.device) if torch.is_tensor(t) else t
-                                              for t in _one_gather(calls, inverse))
+        self.gather, self.sizes, self.pick = _one_gather(calls, inverse, position_ids.device)
 
 
 def _row_calls(starts: torch.Tensor, lengths: torch.Tensor, rows_per_call: int) -> tuple[list, torch.Tensor]:
@@ -123,7 +122,7 @@ def _row_calls(starts: torch.Tensor, lengths: torch.Tensor, rows_per_call: int) 
     return calls, inverse
 
 
-def _one_gather(calls: list, inverse: torch.Tensor) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+def _one_gather(calls: list, inverse: torch.Tensor, device) -> tuple[torch.Tensor, list[int], torch.Tensor]:
     """Every call's slots in one gather (`gather`, split into the calls by `sizes`), and the one `pick` that takes
     the real tokens of the calls' outputs, laid end to end, back to the flat order. One index_select a tensor
     instead of one a call: the backward of each allocates and zeroes a gradient of the whole tensor, and autograd
@@ -132,7 +131,7 @@ def _one_gather(calls: list, inverse: torch.Tensor) -> tuple[torch.Tensor, list[
     sizes = [len(slots) for _, _, slots, _ in calls]
     offsets = torch.cumsum(torch.tensor([0] + sizes[:-1]), 0)
     real = torch.cat([is_real.nonzero().flatten() + at for (_, _, _, is_real), at in zip(calls, offsets)])
-    return torch.cat([slots for _, _, slots, _ in calls]), sizes, real[inverse]
+    return torch.cat([slots for _, _, slots, _ in calls]).to(device), sizes, real[inverse].to(device)
 
 
 def _row_plan(position_ids: torch.Tensor) -> RowPlan:
@@ -210,8 +209,7 @@ class PrefixRows:
             sees_prompt = prompt_mask[prompts, :prompt_width].bool()[:, None, None, :].expand(-1, 1, longest, -1)
             sees_own = torch.ones(longest, longest, dtype=torch.bool, device=device).tril().expand(len(rows), 1, -1, -1)
             self.calls.append((len(rows), longest, prompts, prompt_width, torch.cat([sees_prompt, sees_own], -1)))
-        self.gather, self.sizes, self.pick = (t.to(device) if torch.is_tensor(t) else t
-                                              for t in _one_gather(calls, inverse))
+        self.gather, self.sizes, self.pick = _one_gather(calls, inverse, device)
 
 
 def sdpa_prefix_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
