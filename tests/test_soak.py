@@ -5,7 +5,10 @@ only), then a short real soak with the hf engine process: both roles sampled on 
 figure written.
 """
 import json
+import os
 import random
+import subprocess
+import sys
 
 import psutil
 import pytest
@@ -43,6 +46,52 @@ def test_a_trim_hands_the_freed_heap_back_to_the_os():
     assert kept > before - 20, (before, kept)
     assert after < kept - 60, (kept, after)
     assert above[:1] == b"y"
+
+
+def _thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+HUGE_PAGES_PROBE = """
+import os, sys, torch
+from recipe.runs import HUGE_PAGES_ENV, huge_pages
+with huge_pages(sys.argv[1] == "on"):
+    x = torch.empty(32 << 18)  # 32 MB of float32, written so that its pages are faulted in
+    x.fill_(1.0)
+    huge = [int(line.split()[1]) for line in open("/proc/self/smaps_rollup") if line.startswith("AnonHugePages")][0]
+print(huge, os.environ.get(HUGE_PAGES_ENV))
+"""
+
+
+@pytest.mark.skipif(_thp_mode() not in ("madvise", "always") or not os.path.exists("/proc/self/smaps_rollup"),
+                    reason="Linux with transparent huge pages in madvise or always mode")
+def test_huge_pages_back_a_fresh_processs_large_tensors_and_leave_the_environment_as_it_was():
+    env = {k: v for k, v in os.environ.items() if k != runs.HUGE_PAGES_ENV}
+    run = lambda mode: subprocess.run([sys.executable, "-c", HUGE_PAGES_PROBE, mode], env=env, check=True,  # noqa: E731
+                                      capture_output=True, text=True).stdout.split()
+    huge_kb, after = run("on")
+    assert int(huge_kb) >= 2048 and after == "None", (huge_kb, after)  # the tensor in 2 MB pages; the variable gone
+    if _thp_mode() == "madvise":  # (in always mode the kernel gives them to every process)
+        huge_kb, _ = run("off")
+        assert int(huge_kb) == 0, huge_kb
+
+
+def test_the_rl_loop_runs_under_the_huge_pages_setting_of_its_config(monkeypatch, tmp_path):
+    from recipe.rl import loop
+
+    seen = []
+    monkeypatch.setattr(loop, "_rl_loop", lambda *a: seen.append(os.environ.get(runs.HUGE_PAGES_ENV)))
+    monkeypatch.delenv(runs.HUGE_PAGES_ENV, raising=False)
+    for on in (True, False):
+        loop.run_rl(load_config(["preset=tiny", "rl.pin_cores=false", f"rl.huge_pages={on}"]), tmp_path, tmp_path)
+        assert runs.HUGE_PAGES_ENV not in os.environ  # put back after the loop
+    assert seen == ["1", None]
+    assert load_config(["preset=tiny"]).rl.huge_pages is True
+    assert load_config(["preset=intellect3"]).rl.huge_pages is False
 
 
 def _rows(values_by_step):

@@ -30,7 +30,7 @@ from recipe.rl.dist import World, load_sharded, split_by_tokens
 from recipe.rl.orchestrator import Orchestrator
 from recipe.rl.trainer import (build_optimizer, scheduler_for, full_state_dict, latest_checkpoint,
                                load_checkpoint, publish_weights, save_checkpoint, train_step)
-from recipe.runs import STOP, MetricsLog, PeriodicTrim, require_done
+from recipe.runs import STOP, MetricsLog, PeriodicTrim, huge_pages, require_done
 from recipe.sandbox.runner import run_on_cores
 from recipe.tracking import Tracker
 
@@ -67,7 +67,8 @@ def run_rl(cfg, stage_dir, start_model, world: World = World(), tracker: Tracker
         run_on_cores(cores_before)  # sandboxed programs (code rewards, the python tool) go where there is room
         run_servers_on(set(cores_before) - {0} or cores_before)  # a vLLM server: the trainer's pin is not its own
     try:
-        return _rl_loop(cfg, stage_dir, start_model, world, tracker)
+        with huge_pages(rl.huge_pages):  # before the loop's first tensor; the engine process it starts takes it too
+            return _rl_loop(cfg, stage_dir, start_model, world, tracker)
     finally:  # give the cores back: a caller (the bench's eval) runs with all its threads afterwards
         if pin:
             os.sched_setaffinity(0, cores_before)
