@@ -317,7 +317,8 @@ class RLConfig:
     soak_steps: int = 200  # steps of `make soak` (RL with the memory of every process sampled)
     soak_sample_s: float = 1.0  # seconds between two memory samples of `make soak` (and of bench-trl's arms)
     pin_cores: bool = True  # hf engine on core 1, trainer on core 0: generation and training on separate cores
-    # the RL processes' large torch buffers (trainer, hf engine) in transparent huge pages: recipe.runs.huge_pages
+    # the RL processes' large torch buffers (trainer, hf engine) in transparent huge pages (recipe.runs.huge_pages):
+    # less CPU, more RSS between steps; off in every preset
     huge_pages: bool = False
     # recompute each decoder layer's activations in the backward (prime-rl train.toml [model.ac] freq = 1): memory
     # for 51200-token samples at the cost of a second forward; off where memory is plenty (tiny)
