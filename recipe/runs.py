@@ -110,10 +110,10 @@ HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
 def huge_pages(enabled: bool = True):
     """Within the block, torch's large CPU buffers in transparent huge pages (Linux with THP in `madvise` or
     `always` mode): fewer page faults and TLB misses for a tiny RL step's activations, its CPU about a tenth less,
-    but a trainer's RSS between steps up to 300 MB higher (docs/performance.md, "Huge pages"). It takes in a process that has made no tensor before the block (imports,
-    the config and torch's seed make none: a stage's own process, a bench arm's) and in the processes started in
-    it (the engine); the variable is put back after, so that what starts later does not inherit it. Off: nothing
-    changes."""
+    but a trainer's RSS between steps up to 300 MB higher (docs/performance.md, "Huge pages"). It takes in a
+    process that has made no tensor before the block (imports, the config and torch's seed make none: a stage's
+    own process, a bench arm's) and in the processes started in it (the engine); the variable is put back after,
+    so that what starts later does not inherit it. Off: nothing changes."""
     if not enabled:
         yield
         return
