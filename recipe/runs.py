@@ -107,25 +107,28 @@ HUGE_PAGES_ENV = "THP_MEM_ALLOC_ENABLE"
 
 
 @contextlib.contextmanager
-def huge_pages(enabled: bool = True):
+def environ(variables: dict[str, str]):
+    """These environment variables set for the block and put back as they were after it (unset where they were)."""
+    before = {k: os.environ.get(k) for k in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def huge_pages(enabled: bool):
     """Within the block, torch's large CPU buffers in transparent huge pages (Linux with THP in `madvise` or
     `always` mode): fewer page faults and TLB misses for a tiny RL step's activations, its CPU about a tenth less,
     but a trainer's RSS between steps up to 300 MB higher (docs/performance.md, "Huge pages"). It takes in a
     process that has made no tensor before the block (imports, the config and torch's seed make none: a stage's
     own process, a bench arm's) and in the processes started in it (the engine); the variable is put back after,
     so that what starts later does not inherit it. Off: nothing changes."""
-    if not enabled:
-        yield
-        return
-    before = os.environ.get(HUGE_PAGES_ENV)
-    os.environ[HUGE_PAGES_ENV] = "1"
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop(HUGE_PAGES_ENV, None)
-        else:
-            os.environ[HUGE_PAGES_ENV] = before
+    return environ({HUGE_PAGES_ENV: "1"} if enabled else {})
 
 
 class PeriodicTrim:

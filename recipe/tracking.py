@@ -25,6 +25,7 @@ from transformers import TrainerCallback
 
 from recipe.config import ReportTo
 from recipe.errors import ConfigError, StageError
+from recipe.runs import environ
 
 EXTRA = "pip install -e .[tracking]"
 PACKAGES = {ReportTo.tensorboard: "tensorboard", ReportTo.wandb: "wandb", ReportTo.trackio: "trackio"}
@@ -203,11 +204,9 @@ class TrainerTracking:
                        WANDB_RUN_GROUP=self.cfg.preset, WANDB_JOB_TYPE=self.stage)
         elif self.report_to == ReportTo.trackio:
             env["TRACKIO_DIR"] = str(self.folder / "trackio")
-        before = {k: os.environ.get(k) for k in env}
         if env:
             self.folder.mkdir(parents=True, exist_ok=True)
-        os.environ.update(env)
-        try:
+        with environ(env):
             if self.report_to == ReportTo.trackio:
                 _import_trackio(self.folder / "trackio")  # (the integration imports it when the Trainer is built)
             elif self.report_to == ReportTo.wandb:
@@ -215,12 +214,6 @@ class TrainerTracking:
 
                 wandb.teardown()  # wandb reads the environment at its first run in a process: read it afresh, ours
             yield
-        finally:
-            for k, v in before.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
 
 class RunCallback(TrainerCallback):

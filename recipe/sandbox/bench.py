@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from recipe.cores import busy_seconds
 from recipe.errors import StageError
 from recipe.eval.report import write_bench
-from recipe.runs import Began, stage_main
+from recipe.runs import Began, environ, stage_main
 from recipe.sandbox import Limits, backend, run_python, runner, warm
 
 PROGRAMS = 200
@@ -49,16 +49,9 @@ def bench(programs: int = PROGRAMS, workers: int = WORKERS, rounds: int = ROUNDS
     runs = []
     for i in range(rounds * len(modes)):
         mode = modes[i % len(modes)]
-        before = os.environ.get(warm.SWITCH)
-        os.environ[warm.SWITCH] = "1" if mode == "warm" else "0"
-        try:
+        with environ({warm.SWITCH: "1" if mode == "warm" else "0"}):
             one_round(8, workers)  # the warm sandboxes started, the interpreter's files cached
             runs.append({"mode": mode, **one_round(programs, workers)})
-        finally:
-            if before is None:
-                os.environ.pop(warm.SWITCH, None)
-            else:
-                os.environ[warm.SWITCH] = before
     warm.close_all()
     out = {"backend": use, "programs": programs, "workers": workers, "rounds": runs}
     for mode in modes:
