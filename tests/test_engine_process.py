@@ -353,6 +353,28 @@ def test_the_engine_is_forked_where_that_is_safe_and_spawned_elsewhere_writing_t
     assert spawned.proc.pid not in engine_pids() and engine.proc.pid in engine_pids()
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="the engine is forked on Linux only")
+def test_a_forked_engine_takes_the_parents_objects_out_of_the_cyclic_collector(model_dir):
+    """Before a fork the parent's objects are frozen (gc.freeze), so that neither the child's collections nor the
+    trainer's full ones walk them; a spawned engine, which shares no pages, leaves the parent's collector as it was."""
+    import gc
+
+    gc.unfreeze()
+    spawned = HFEngineProcess(str(model_dir / "model"), threads=2, batch_size=2, start_timeout=120)
+    try:
+        assert gc.get_freeze_count() == 0
+    finally:
+        spawned.close()
+    alive = len(gc.get_objects())
+    forked = HFEngineProcess(str(model_dir / "model"), threads=1, batch_size=2, start_timeout=120)
+    try:
+        assert type(forked.proc).__name__ == "ForkProcess"
+        assert gc.get_freeze_count() >= alive // 2  # the objects alive at the fork, in the permanent generation
+    finally:
+        forked.close()
+        gc.unfreeze()
+
+
 def test_a_rank_with_a_process_group_spawns_its_engine(tmp_path):
     """A forked engine would hold the rank's collective sockets and threads: under a process group, spawn."""
     import torch.distributed as dist

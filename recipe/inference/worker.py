@@ -22,6 +22,7 @@ imports of torch and transformers instead of making its own, about 4 s of a star
 from __future__ import annotations
 
 import ctypes
+import gc
 import multiprocessing as mp
 import os
 import queue
@@ -166,10 +167,16 @@ class HFEngineProcess:
 
     def __init__(self, model_path: str, threads: int = 1, batch_size: int = 64, max_off_policy_steps: int | None = 8,
                  version: int = 0, cpu: int | None = None, start_timeout: float = 300.0):
-        ctx = mp.get_context(start_method(threads))
+        method = start_method(threads)
+        ctx = mp.get_context(method)
         self.req_q, self.res_q = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=_worker, daemon=True, args=(
             str(model_path), threads, batch_size, max_off_policy_steps, version, cpu, self.req_q, self.res_q))
+        if method == "fork":
+            # what the parent holds now (its imports, the model) leaves the cyclic collector's reach, as Python's gc
+            # docs advise before a fork: the child's collections then write into none of the parent's pages, and
+            # the trainer's own full collections skip them (an arm's collections 0.2 s of CPU against 0.48 s)
+            gc.freeze()
         self.proc.start()
         _live_pids.add(self.proc.pid)
         try:
