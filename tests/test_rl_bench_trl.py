@@ -1,7 +1,7 @@
-"""`make bench-trl` (recipe.rl.bench_trl) on a tiny model and a few math rows: three runs, recipe-TRL-recipe, each in
-a process of its own, trained for the same steps of the same batch, each final policy evaluated; bench/trl.json
-and RESULTS.md's section carry the figures. What is compared is checked here, not the speed itself: on a random
-model the ratio means nothing (`make bench-trl` on the tiny preset gives it, in RESULTS.md)."""
+"""`make bench-trl` (recipe.rl.bench_trl) on a tiny model and a few math rows: five runs, recipe, TRL, recipe, TRL,
+recipe, each in a process of its own, trained for the same steps of the same batch, each final policy evaluated;
+bench/trl.json and RESULTS.md's section carry the figures. What is compared is checked here, not the speed itself:
+on a random model the ratio means nothing (`make bench-trl` on the tiny preset gives it, in RESULTS.md)."""
 import json
 from pathlib import Path
 
@@ -47,7 +47,7 @@ def test_bench_trl_runs_both_arms_on_the_same_work(sft_done, tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     bench_trl.main(args)
     out = json.loads((stage_dir(cfg, "bench") / "trl.json").read_text())
-    assert [r["arm"] for r in out["runs"]] == ["recipe", "trl", "recipe"]
+    assert [r["arm"] for r in out["runs"]] == ["recipe", "trl", "recipe", "trl", "recipe"]
     per_step = 2 * 2
     for r in out["runs"]:
         assert r["steps"] == 2 and r["trained_completions"] == 2 * per_step
@@ -58,8 +58,11 @@ def test_bench_trl_runs_both_arms_on_the_same_work(sft_done, tmp_path, monkeypat
         engine = r["peak_rss_engine_mb"]
         assert (engine > 50) if r["arm"] == "recipe" else (engine == 0)
         assert r["peak_rss_all_mb"] >= max(engine, 50)
-    assert out["envs"] == ["math"] and out["arms"]["recipe"]["runs"] == 2 and out["arms"]["trl"]["runs"] == 1
+    assert out["envs"] == ["math"] and out["arms"]["recipe"]["runs"] == 3 and out["arms"]["trl"]["runs"] == 2
     assert out["speedup"] == pytest.approx(out["arms"]["recipe"]["trained_per_s"] / out["arms"]["trl"]["trained_per_s"])
+    rate = [r["trained_per_s"] for r in out["runs"]]
+    assert out["neighbour_ratios"] == pytest.approx([rate[0] / rate[1], rate[2] / rate[1], rate[2] / rate[3],
+                                                     rate[4] / rate[3]])
     report = (tmp_path / "runs" / "RESULTS.md").read_text()
     assert "## Performance: this recipe's RL against TRL's GRPOTrainer" in report
     assert f"trains **x{out['speedup']:.2f}** TRL's completions a second" in report
@@ -81,22 +84,22 @@ def test_the_recipe_arm_runs_without_the_filter_and_a_last_run_as_the_preset_fil
     from recipe.rl.bench_trl import bench_config, bench_order
 
     cfg = load_config(["rl.online_filter=true"])
-    assert bench_order(cfg) == ("recipe", "trl", "recipe", "recipe_preset")
+    assert bench_order(cfg) == ("recipe", "trl", "recipe", "trl", "recipe", "recipe_preset")
     filters = [bench_config(cfg, arm).rl.online_filter for arm in ("recipe", "trl", "recipe_preset")]
     assert filters == [False, False, True]
     off = load_config(["rl.online_filter=false"])  # a preset without the filter: the recipe arm is already it
-    assert bench_order(off) == ("recipe", "trl", "recipe")
+    assert bench_order(off) == ("recipe", "trl", "recipe", "trl", "recipe")
     assert not bench_config(off, "recipe_preset").rl.online_filter
 
 
 def test_the_preset_run_is_reported_beside_the_comparison_not_in_it(sft_done, tmp_path, monkeypatch):
-    """The bench's bookkeeping with the four runs (each arm's figures written by a stand-in for its process)."""
+    """The bench's bookkeeping with the six runs (each arm's figures written by a stand-in for its process)."""
     from recipe import runs
     from recipe.rl import bench_trl
 
     cfg, args = sft_done
     args = [a for a in args if a != "rl.online_filter=false"] + ["rl.online_filter=true"]
-    per_s = {"recipe": [150.0, 160.0], "trl": [50.0], "recipe_preset": [120.0]}
+    per_s = {"recipe": [150.0, 160.0, 155.0], "trl": [50.0, 40.0], "recipe_preset": [120.0]}
 
     class Child:
         def __init__(self, target, args):
@@ -118,10 +121,14 @@ def test_the_preset_run_is_reported_beside_the_comparison_not_in_it(sft_done, tm
     monkeypatch.chdir(tmp_path)
     bench_trl.main(args)
     out = json.loads((stage_dir(cfg, "bench") / "trl.json").read_text())
-    assert out["order"] == ["recipe", "trl", "recipe", "recipe_preset"]
-    assert out["speedup"] == pytest.approx(155.0 / 50.0)  # the same-samples runs only
-    assert out["arms"]["recipe"]["runs"] == 2 and out["arms"]["recipe_preset"]["speedup"] == pytest.approx(2.4)
+    assert out["order"] == ["recipe", "trl", "recipe", "trl", "recipe", "recipe_preset"]
+    assert out["speedup"] == pytest.approx(155.0 / 45.0)  # the same-samples runs only, the arms' means
+    assert out["neighbour_ratios"] == pytest.approx([3.0, 3.2, 4.0, 3.875])  # each TRL run against its neighbours
+    assert out["arms"]["recipe"]["runs"] == 3 and out["arms"]["recipe_preset"]["speedup"] == pytest.approx(120 / 45)
     report = (tmp_path / "runs" / "RESULTS.md").read_text()
-    assert "trains **x3.10** TRL's completions a second" in report
-    assert "| this recipe, the preset's online filter on (1 run) | 120.0 |" in report
-    assert "x2.40 TRL's trained completions a second, 120 completions generated for 8 trained" in report
+    assert "trains **x3.44** TRL's completions a second" in report
+    assert "against the recipe runs just before and after it: x3.00 to x4.00." in report
+    assert "| this recipe (3 runs) | 155.0 | 150.0, 160.0, 155.0 |" in report
+    assert "| TRL GRPOTrainer (2 runs) | 45.0 | 50.0, 40.0 |" in report
+    assert "| this recipe, the preset's online filter on (1 run) | 120.0 | 120.0 |" in report
+    assert "x2.67 TRL's trained completions a second, 120 completions generated for 8 trained" in report

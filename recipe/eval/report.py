@@ -215,14 +215,16 @@ def trl_bench_section(cfg) -> str:
            "loaded by this project (sdpa over grouped key/value heads on the CPU: docs/performance.md). "
            f"Commit {_commit(prov)}, "
            f"{prov['hardware']['cpus']} CPUs, load {loads} at the runs' ends.\n\n",
-           "| arm | trained completions/s | steady | generated completions | CPU s | CPU s / trained completion | "
-           "peak RSS MB: all / engine / main | held-out avg (± s.e.) |\n", "|---|---|---|---|---|---|---|---|\n"]
+           "| arm | trained completions/s | each run's, in order | steady | generated completions | CPU s | "
+           "CPU s / trained completion | peak RSS MB: all / engine / main | held-out avg (± s.e.) |\n",
+           "|---|---|---|---|---|---|---|---|---|\n"]
     for arm, name in TRL_ARMS.items():
         if arm not in arms:
             continue
         r = arms[arm]
         runs = f" ({r['runs']} run{'s' if r['runs'] > 1 else ''})"
-        out.append(f"| {name}{runs} | {r['trained_per_s']:.1f} | {r['trained_per_s_steady']:.1f} | "
+        each = ", ".join(f"{x['trained_per_s']:.1f}" for x in b["runs"] if x["arm"] == arm)
+        out.append(f"| {name}{runs} | {r['trained_per_s']:.1f} | {each} | {r['trained_per_s_steady']:.1f} | "
                    f"{r['generated_completions']:.0f} | {r['cpu_s']:.0f} | {r['cpu_s_per_trained']:.3f} | "
                    f"{r['peak_rss_all_mb']:.0f} / {r['peak_rss_engine_mb']:.0f} / {r['peak_rss_mb']:.0f} | "
                    f"{r['held_out_avg']:.3f} ± "
@@ -231,7 +233,9 @@ def trl_bench_section(cfg) -> str:
     out.append(f"\nThis recipe trains **x{b['speedup']:.2f}** TRL's completions a second, with "
                f"x{arms['trl']['cpu_s_per_trained'] / arms['recipe']['cpu_s_per_trained']:.2f} fewer CPU seconds "
                f"each; held-out difference {b['held_out_gap']:+.3f} (2 s.e. of the difference: "
-               f"{b['held_out_two_se']:.3f}; no worse within 2 s.e.: {no_worse}).\n")
+               f"{b['held_out_two_se']:.3f}; no worse within 2 s.e.: {no_worse})"
+               + (f". Each TRL run against the recipe runs just before and after it: x{min(b['neighbour_ratios']):.2f} "
+                  f"to x{max(b['neighbour_ratios']):.2f}" if b.get("neighbour_ratios") else "") + ".\n")
     if "recipe_preset" in arms:
         p = arms["recipe_preset"]
         trained = b["steps"] * b["batch_size"] * b["rollouts_per_example"]

@@ -25,10 +25,13 @@ What cannot be made equal, and how it is counted:
 - Processes: here the engine runs in a process of its own on one core and the trainer on the other; TRL runs
   both in one process on both cores. CPU seconds (every process of the arm) are reported beside wall time.
 
-The arms run recipe-TRL-recipe, each in a process of its own (so that its peak memory is its own: the RSS of the
-arm's processes, sampled every second, and the kernel's peak of its main process), and each arm's
+The arms run recipe, TRL, recipe, TRL, recipe, each in a process of its own (so that its peak memory is its own:
+the RSS of the arm's processes, sampled every second, and the kernel's peak of its main process), and each arm's
 final policy is evaluated on the held-out rows of the same environments (avg@eval.samples, standard error over
-problems). Results go to runs/<preset>/bench/trl.json and into RESULTS.md.
+problems). TRL's arm runs twice: on this shared 2-core machine its CPU for the same work moved by a third within an
+hour (its two threads share both cores) while the recipe arm's held steady, so one TRL run could set the ratio
+alone; the ratio of each TRL run to the recipe runs beside it is reported with the ratio of the means. Results go to
+runs/<preset>/bench/trl.json and into RESULTS.md.
 """
 from __future__ import annotations
 
@@ -60,11 +63,12 @@ from recipe.runs import (Began, load_avg, require_done, run_spawned, stage_argv,
 from recipe.sandbox import warm
 
 ENVS = ("math", "logic", "code")
-ORDER = ("recipe", "trl", "recipe")
+ORDER = ("recipe", "trl", "recipe", "trl", "recipe")  # every arm's runs centred on the same moment of the bench
 
 
 def bench_order(cfg) -> tuple[str, ...]:
-    """recipe, TRL, recipe; then, where the preset filters groups without signal, one run as the preset trains."""
+    """recipe, TRL, recipe, TRL, recipe; then, where the preset filters groups without signal, one run as the preset
+    trains."""
     return ORDER + (("recipe_preset",) if cfg.rl.online_filter else ())
 
 
@@ -216,6 +220,19 @@ def run_arm(argv: list[str], arm: str, out_dir: str, result_path: str) -> None:
     write_atomic(Path(result_path), json.dumps(result, indent=2, sort_keys=True))
 
 
+def neighbour_ratios(runs: list[dict]) -> list[float]:
+    """Each TRL run's trained completions/s against those of the recipe runs just before and after it, in order:
+    the ratio as each moment of the bench gave it (the comparison's ratio is that of the arms' means)."""
+    out = []
+    for i, run in enumerate(runs):
+        if run["arm"] != "trl":
+            continue
+        for j in (i - 1, i + 1):
+            if 0 <= j < len(runs) and runs[j]["arm"] == "recipe":
+                out.append(runs[j]["trained_per_s"] / run["trained_per_s"])
+    return out
+
+
 def bench(cfg, argv: list[str]) -> None:
     bench_config(cfg)  # a mix without any of the environments is refused before anything runs
     require_done(cfg, "sft")
@@ -238,17 +255,20 @@ def bench(cfg, argv: list[str]) -> None:
                       "generated_completions")}
         arms[arm]["runs"] = len(mine)
     speedup = arms["recipe"]["trained_per_s"] / arms["trl"]["trained_per_s"]
+    beside = neighbour_ratios(runs)
     gap = arms["recipe"]["held_out_avg"] - arms["trl"]["held_out_avg"]
     two_se = 2 * math.hypot(arms["recipe"]["held_out_se"], arms["trl"]["held_out_se"])
     print(f"bench-trl: x{speedup:.2f} TRL's trained completions/s; CPU seconds a trained completion "
           f"x{arms['trl']['cpu_s_per_trained'] / arms['recipe']['cpu_s_per_trained']:.2f} fewer; held-out "
           f"{arms['recipe']['held_out_avg']:.3f} against {arms['trl']['held_out_avg']:.3f} (difference {gap:+.3f}, "
-          f"2 s.e. {two_se:.3f})")
+          f"2 s.e. {two_se:.3f}); each TRL run against the recipe runs beside it x{min(beside):.2f} to "
+          f"x{max(beside):.2f}")
     if "recipe_preset" in arms:
         arms["recipe_preset"]["speedup"] = arms["recipe_preset"]["trained_per_s"] / arms["trl"]["trained_per_s"]
         print(f"bench-trl: with the preset's online filter x{arms['recipe_preset']['speedup']:.2f} TRL's trained "
               f"completions/s, {arms['recipe_preset']['generated_completions']:.0f} generated")
-    out = {"order": list(order), "runs": runs, "arms": arms, "speedup": speedup, "held_out_gap": gap,
+    out = {"order": list(order), "runs": runs, "arms": arms, "speedup": speedup, "neighbour_ratios": beside,
+           "held_out_gap": gap,
            "held_out_two_se": two_se, "envs": list(bench_config(cfg).rl.env_mix),
            "steps": cfg.rl.bench_steps, "batch_size": cfg.rl.batch_size,
            "rollouts_per_example": cfg.rl.rollouts_per_example, "max_new_tokens": cfg.rl.max_new_tokens}
