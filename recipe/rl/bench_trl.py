@@ -268,8 +268,7 @@ def bench(cfg, argv: list[str]) -> None:
         print(f"bench-trl: with the preset's online filter x{arms['recipe_preset']['speedup']:.2f} TRL's trained "
               f"completions/s, {arms['recipe_preset']['generated_completions']:.0f} generated")
     out = {"order": list(order), "runs": runs, "arms": arms, "speedup": speedup, "neighbour_ratios": beside,
-           "held_out_gap": gap,
-           "held_out_two_se": two_se, "envs": list(bench_config(cfg).rl.env_mix),
+           "held_out_gap": gap, "held_out_two_se": two_se, "envs": list(bench_config(cfg).rl.env_mix),
            "steps": cfg.rl.bench_steps, "batch_size": cfg.rl.batch_size,
            "rollouts_per_example": cfg.rl.rollouts_per_example, "max_new_tokens": cfg.rl.max_new_tokens}
     write_bench(cfg, "bench-trl", "trl", out, began)
