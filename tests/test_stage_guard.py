@@ -154,6 +154,33 @@ def test_a_rank_leaves_with_its_exit_code_without_waiting_on_interpreter_teardow
     assert "most recent call first" not in out.stderr  # no stacks: the way out was quick
 
 
+FREEZE_STAGE = """
+import gc, sys
+from recipe.runs import stage_main
+
+@stage_main
+def stage(cfg):
+    print(gc.get_freeze_count())
+
+stage(sys.argv[1:])
+"""
+
+
+def test_a_stage_in_its_own_process_freezes_its_imports_and_one_called_from_python_does_not(tmp_path):
+    """A stage's own process (its entry point in __main__) takes what its imports made out of the cyclic collector's
+    full walks (gc.freeze); a stage called from a longer-lived process (a test, a notebook) leaves its collector be:
+    garbage there not yet collected would be kept for good."""
+    import gc
+
+    out = subprocess.run([sys.executable, "-c", FREEZE_STAGE, f"run_root={tmp_path}"], env={
+        **os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert int(out.stdout) > 10_000  # the imports' objects (omegaconf, hydra, the recipe's modules)
+    gc.unfreeze()
+    stage_main(lambda cfg: None)([f"run_root={tmp_path}"])
+    assert gc.get_freeze_count() == 0
+
+
 @pytest.mark.parametrize("stage", ["data", "base", "sft", "rl", "eval"])
 def test_every_stage_run_as_a_rank_from_its_command_line_leaves_through_leave_rank(monkeypatch, stage):
     """`python -m recipe.<stage>` under torchrun (the process's own command line) ends in leave_rank; called from
