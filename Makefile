@@ -92,14 +92,16 @@ soak: sft
 	$(RUN) recipe.rl.soak $(OVERRIDES)
 
 # The unit tests first, a test file to each core (pytest-xdist): most of them run one process on one core, so two
-# at a time take a little over half the time (354 s against 630 s on 2026-12-06). Then the end-to-end pipeline
-# alone, as `make all` runs it on both cores (its timings and thresholds are those of RESULTS.md).
+# at a time take a little over half the time (354 s against 630 s on 2026-12-06); the longest files go first
+# (tests/conftest.py LONG_FILES, in collection order). Then the end-to-end pipeline alone, as `make all` runs it on
+# both cores (its timings and thresholds are those of RESULTS.md; beside the unit tests it ended no sooner:
+# docs/performance.md, "The test suite's time").
 test: setup
-	$(PY) -m pytest -q -x -n 2 --dist loadfile --durations=15 --ignore=tests/test_e2e.py tests
+	$(PY) -m pytest -q -x -n 2 --dist loadfile --no-loadscope-reorder --durations=15 --ignore=tests/test_e2e.py tests
 	$(PY) -m pytest -q -x --durations=5 tests/test_e2e.py
 
 test-fast: setup
-	$(PY) -m pytest -q -x -n 2 --dist loadfile -m "not slow" tests
+	$(PY) -m pytest -q -x -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" tests
 
 # Re-resolve the three locks from pyproject.toml with pip's resolver, installing nothing (needs the package
 # registry); scripts/lock.py says why they are resolved together.

@@ -45,9 +45,12 @@ def test_bench_trl_runs_both_arms_on_the_same_work(sft_done, tmp_path, monkeypat
 
     cfg, args = sft_done
     monkeypatch.chdir(tmp_path)
+    # three runs, not the bench's five: each costs a process start, a model load and a held-out eval (about 15 s on
+    # 2 busy cores); the five-run bookkeeping is checked on stand-in runs below
+    monkeypatch.setattr(bench_trl, "ORDER", ("recipe", "trl", "recipe"))
     bench_trl.main(args)
     out = json.loads((stage_dir(cfg, "bench") / "trl.json").read_text())
-    assert [r["arm"] for r in out["runs"]] == ["recipe", "trl", "recipe", "trl", "recipe"]
+    assert [r["arm"] for r in out["runs"]] == ["recipe", "trl", "recipe"]
     per_step = 2 * 2
     for r in out["runs"]:
         assert r["steps"] == 2 and r["trained_completions"] == 2 * per_step
@@ -58,11 +61,10 @@ def test_bench_trl_runs_both_arms_on_the_same_work(sft_done, tmp_path, monkeypat
         engine = r["peak_rss_engine_mb"]
         assert (engine > 50) if r["arm"] == "recipe" else (engine == 0)
         assert r["peak_rss_all_mb"] >= max(engine, 50)
-    assert out["envs"] == ["math"] and out["arms"]["recipe"]["runs"] == 3 and out["arms"]["trl"]["runs"] == 2
+    assert out["envs"] == ["math"] and out["arms"]["recipe"]["runs"] == 2 and out["arms"]["trl"]["runs"] == 1
     assert out["speedup"] == pytest.approx(out["arms"]["recipe"]["trained_per_s"] / out["arms"]["trl"]["trained_per_s"])
     rate = [r["trained_per_s"] for r in out["runs"]]
-    assert out["neighbour_ratios"] == pytest.approx([rate[0] / rate[1], rate[2] / rate[1], rate[2] / rate[3],
-                                                     rate[4] / rate[3]])
+    assert out["neighbour_ratios"] == pytest.approx([rate[0] / rate[1], rate[2] / rate[1]])
     report = (tmp_path / "runs" / "RESULTS.md").read_text()
     assert "## Performance: this recipe's RL against TRL's GRPOTrainer" in report
     assert f"trains **x{out['speedup']:.2f}** TRL's completions a second" in report
