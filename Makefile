@@ -96,12 +96,13 @@ soak: sft
 # (tests/conftest.py LONG_FILES, in collection order). Then the end-to-end pipeline alone, as `make all` runs it on
 # both cores (its timings and thresholds are those of RESULTS.md; beside the unit tests it ended no sooner:
 # docs/performance.md, "The test suite's time").
+XDIST := -n 2 --dist loadfile --no-loadscope-reorder
 test: setup
-	$(PY) -m pytest -q -x -n 2 --dist loadfile --no-loadscope-reorder --durations=15 --ignore=tests/test_e2e.py tests
+	$(PY) -m pytest -q -x $(XDIST) --durations=15 --ignore=tests/test_e2e.py tests
 	$(PY) -m pytest -q -x --durations=5 tests/test_e2e.py
 
 test-fast: setup
-	$(PY) -m pytest -q -x -n 2 --dist loadfile --no-loadscope-reorder -m "not slow" tests
+	$(PY) -m pytest -q -x $(XDIST) -m "not slow" tests
 
 # Re-resolve the three locks from pyproject.toml with pip's resolver, installing nothing (needs the package
 # registry); scripts/lock.py says why they are resolved together.

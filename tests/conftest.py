@@ -21,11 +21,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # file alone at the end.
 LONG_FILES = ("test_distributed.py", "test_locks.py", "test_gpu_check.py", "test_sft_ranks.py", "test_rl_bench_trl.py",
               "test_slurm_standin.py", "test_stage_guard.py", "test_sandbox.py")
+_LONG_RANK = {name: i for i, name in enumerate(LONG_FILES)}
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONG_FILES)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FILES)))
+    items.sort(key=lambda item: _LONG_RANK.get(item.path.name, len(LONG_FILES)))
 
 
 @pytest.fixture
