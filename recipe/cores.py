@@ -18,7 +18,6 @@ import os
 import time
 from dataclasses import dataclass
 
-import torch
 
 SLACK = 0.25  # cores: others this busy or less still leave a thread its core (a shell, a logger, the kernel)
 
@@ -106,7 +105,11 @@ class ThreadGovernor:
     last sample. `changes`: (threads, others' busy cores) of every change so far."""
 
     def __init__(self, most: int, interval_s: float = 5.0, cores: list[int] | None = None, read_busy=busy_seconds,
-                 own_cpu=own_cpu_s, clock=time.monotonic, set_threads=torch.set_num_threads):
+                 own_cpu=own_cpu_s, clock=time.monotonic, set_threads=None):
+        if set_threads is None:  # torch imported here: the sandbox imports this module, the data stage the sandbox
+            import torch
+
+            set_threads = torch.set_num_threads
         self.most, self.interval_s = most, interval_s
         self.cores = cores if cores is not None else own_cores()
         self.read_busy, self.own_cpu, self.clock, self.set_threads = read_busy, own_cpu, clock, set_threads

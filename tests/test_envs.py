@@ -27,11 +27,13 @@ def test_math_env_uses_math_verify_equivalence():
 
 
 def test_math_verdicts_are_reused_for_a_repeated_answer_but_not_under_a_timeout(monkeypatch):
+    import math_verify
+
     import recipe.envs.math as math_env
 
-    timeouts = []  # parsing_timeout of every math-verify parse
-    real_parse = math_env.parse
-    monkeypatch.setattr(math_env, "parse", lambda text, **kw: timeouts.append(kw["parsing_timeout"]) or
+    timeouts = []  # parsing_timeout of every math-verify parse (imported where it is called: recipe.envs.math)
+    real_parse = math_verify.parse
+    monkeypatch.setattr(math_verify, "parse", lambda text, **kw: timeouts.append(kw["parsing_timeout"]) or
                         real_parse(text, **kw))
     math_env._cached_verify.cache_clear()
     env, row = get_env("math"), _row("math", "1/2")

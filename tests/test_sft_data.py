@@ -220,7 +220,7 @@ def test_rows_without_tools_render_byte_for_byte_as_before(tiny):
     """The hub fixture's plain rows and every tiny row (the tools task's included: its tools stay in its
     instruction, as in RL) give the same text and the same ids and mask as the template before tools."""
     from recipe.chat import messages, template_tools
-    from recipe.sft import chat_dataset, tokenize_chat_row
+    from recipe.sft import chat_dataset, chat_row_pieces, tokenize_chat_row
 
     _, tok, rows = tiny
     hub_plain = [r for r in _hub_rows() if not json.loads(r["tools"])]
@@ -233,9 +233,12 @@ def test_rows_without_tools_render_byte_for_byte_as_before(tiny):
             old = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=add_generation_prompt,
                                           chat_template=TEMPLATE_BEFORE_TOOLS)
             assert new == old
-    dataset = chat_dataset(hub_plain + rows, tok)
+    dataset = chat_dataset(hub_plain + rows, tok, chunk_rows=5)  # several batches of texts
     for row, got in zip(hub_plain + rows, dataset):
         assert got == tokenize_chat_row(tok, row["prompt"], row["completion"])
+        # the batched encoding gives the ids of one tokenizer.encode a piece
+        pieces, _ = chat_row_pieces(tok, messages(row["prompt"]), messages(row["completion"]))
+        assert got["input_ids"] == [i for text, _ in pieces for i in tok.encode(text, add_special_tokens=False)]
 
 
 class _RecordingTokenizer:
@@ -248,8 +251,8 @@ class _RecordingTokenizer:
         self.calls.append((conversation, kwargs))
         return "".join(m["content"] for m in conversation)
 
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) for c in text]
+    def __call__(self, texts, add_special_tokens=False):  # chat_dataset encodes its texts in batches
+        return {"input_ids": [[ord(c) for c in text] for text in texts]}
 
 
 def test_a_hub_tokenizer_is_handed_the_tools_and_the_tool_calls():

@@ -135,24 +135,24 @@ def gen_fn_fit(rng: random.Random, max_slope: int = 9, max_intercept: int = 99, 
 
 def task_items(spec, n: int, seed: int):
     """n items of one task, as (question, answer, trace, entry, difficulty)."""
-    params = dict(spec.params)
-    if spec.task == "add":
+    params, task = dict(spec.params), spec.task  # read once (see build_tiny)
+    if task == "add":
         rng = random.Random(f"{seed}-add")
         return [gen_add(rng, **params) for _ in range(n)]
-    if spec.task == "fn_fit":
+    if task == "fn_fit":
         rng = random.Random(f"{seed}-fn_fit")
         return [gen_fn_fit(rng, **params) for _ in range(n)]
-    if spec.task == "tool_mul":
+    if task == "tool_mul":
         rng = random.Random(f"{seed}-tool_mul")
         return [gen_tool_mul(rng, **params) for _ in range(n)]
-    if spec.task not in RG_TRACES:
-        raise DataError(f"tiny data: unknown task '{spec.task}' (known: add, fn_fit, tool_mul, {', '.join(RG_TRACES)})")
+    if task not in RG_TRACES:
+        raise DataError(f"tiny data: unknown task '{task}' (known: add, fn_fit, tool_mul, {', '.join(RG_TRACES)})")
     items = []
-    for entry in _rg_entries(spec.task, n, seed, params):
+    for entry in _rg_entries(task, n, seed, params):
         entry = {"question": entry["question"], "answer": entry["answer"],
                  "metadata": json.loads(json.dumps(entry["metadata"], default=list))}
-        diff = float(RG_DIFFICULTY[spec.task](entry["metadata"]))
-        items.append((entry["question"], entry["answer"], RG_TRACES[spec.task](entry), entry, diff))
+        diff = float(RG_DIFFICULTY[task](entry["metadata"]))
+        items.append((entry["question"], entry["answer"], RG_TRACES[task](entry), entry, diff))
     return items
 
 
@@ -201,6 +201,9 @@ def verifiers_rows(spec, key: str, want: dict) -> dict[str, list[dict]]:
 def build_tiny(data_cfg) -> dict[str, list[dict]]:
     """Rows for every split: sft, rl, eval (schema rows) and pretrain (plain text rows)."""
     want = {"sft": data_cfg.sft_rows_per_task, "rl": data_cfg.rl_rows_per_task, "eval": data_cfg.eval_rows_per_task}
+    # read once: an omegaconf attribute costs tens of microseconds, and the loop below reads these per item
+    pretrain_per_task, hasty, no_think = (data_cfg.pretrain_rows_per_task, data_cfg.tool_hasty_fraction,
+                                          data_cfg.no_think_fraction)
     out = {"sft": [], "rl": [], "eval": [], "pretrain": []}
     # extra_tasks come after tasks, so enabling one leaves the seeds and rows of the others as they were
     for t_idx, spec in enumerate(list(data_cfg.tasks) + list(getattr(data_cfg, "extra_tasks", []))):
@@ -221,31 +224,32 @@ def build_tiny(data_cfg) -> dict[str, list[dict]]:
             raise ConfigError(f"config error: {key}.params={dict(spec.params)}: task '{spec.task}' refuses them: "
                               f"{e}") from None
         seen, by_split = set(), {"sft": [], "rl": [], "eval": []}
+        env, task, pretrain_cap = spec.env, spec.task, pretrain_per_task * (t_idx + 1)
         for question, answer, trace, entry, diff in pool:
-            text = prompt_text(spec.env, question)
+            text = prompt_text(env, question)
             if text in seen:
                 continue
             seen.add(text)
             split = split_of(text)
             if len(by_split[split]) >= want[split]:
-                if split == "sft" and len(out["pretrain"]) < data_cfg.pretrain_rows_per_task * (t_idx + 1):
+                if split == "sft" and len(out["pretrain"]) < pretrain_cap:
                     out["pretrain"].append({"text": f"{question}\n{trace}\n{answer}"})
                 continue
-            if spec.env == "tools":
-                completion = tool_sft_completion(text, entry, data_cfg.tool_hasty_fraction)
+            if env == "tools":
+                completion = tool_sft_completion(text, entry, hasty)
             else:
-                completion = sft_completion(text, trace, answer_text(spec.env, answer), data_cfg.no_think_fraction)
+                completion = sft_completion(text, trace, answer_text(env, answer), no_think)
             row = {
-                "id": f"{spec.task}-{hashlib.sha256(text.encode()).hexdigest()[:12]}",
-                "env": spec.env, "task": spec.task, "split": split,
+                "id": f"{task}-{hashlib.sha256(text.encode()).hexdigest()[:12]}",
+                "env": env, "task": task, "split": split,
                 "prompt": [message("user", text)],
                 "completion": [message("assistant", completion)] if split == "sft" else [],
                 "answer": answer,
-                "info": json.dumps({"task": spec.task, "entry": entry}, sort_keys=True),
-                "difficulty": diff, "tools": json.dumps(TOOL_SPECS) if spec.env == "tools" else "[]",
+                "info": json.dumps({"task": task, "entry": entry}, sort_keys=True),
+                "difficulty": diff, "tools": json.dumps(TOOL_SPECS) if env == "tools" else "[]",
             }
             by_split[split].append(row)
-            if split == "sft" and len(out["pretrain"]) < data_cfg.pretrain_rows_per_task * (t_idx + 1):
+            if split == "sft" and len(out["pretrain"]) < pretrain_cap:
                 out["pretrain"].append({"text": f"{question}\n{trace}\n{answer}"})
         for split, rows in by_split.items():
             if len(rows) < want[split]:

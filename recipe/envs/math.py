@@ -5,8 +5,6 @@ from __future__ import annotations
 import functools
 import threading
 
-from math_verify import parse, verify
-
 from recipe.envs.judge import JudgedEnvironment
 
 # The instruction INTELLECT-3's math environment puts before each question.
@@ -19,6 +17,8 @@ def _timeouts():
 
 
 def _verify(answer: str, reference: str, t: int | None) -> float:
+    from math_verify import parse, verify  # sympy: about a second to import, in the processes that grade only
+
     gold = parse(f"\\boxed{{{reference}}}", parsing_timeout=t)
     pred = parse(answer if "\\boxed" in answer else f"\\boxed{{{answer}}}", parsing_timeout=t)
     if not gold or not pred:
