@@ -1,6 +1,7 @@
 """The package's layers only point down (docs/architecture.md): no import circle, no import that climbs back up,
 and the project's own modules imported at the top of files, where a reader sees them."""
 import ast
+import subprocess
 import sys
 from pathlib import Path
 
@@ -128,8 +129,6 @@ def test_the_checker_sees_a_climbing_import_and_a_circle(tmp_path, monkeypatch):
 def test_the_data_stage_and_the_sandbox_start_without_torch_or_sympy():
     """Imported only where used: `make data` (which imports the environments, they the sandbox and the math
     verifier) starts in about 1 s instead of 5, and a config error there is answered as fast."""
-    import subprocess
-
     probe = ("import sys, recipe.data.__main__, recipe.sandbox, recipe.envs; "
              "print(sorted(m for m in ('torch', 'sympy', 'math_verify') if m in sys.modules))")
     res = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
