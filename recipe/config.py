@@ -242,6 +242,9 @@ class TrainConfig:
     # trains the same rows as padded batches (1) with about 2% padding at 4; a rank's share of the batch must
     # divide by it
     rows_per_sequence: int = 1
+    # chat rows: each prompt prefix that rows of a batch share computed once, in one flat pass
+    # (recipe.sft.SharedPrefixCollator; sdpa attention, the plain-logits loss); supersedes rows_per_sequence
+    shared_prefixes: bool = False
     bench_steps: int = 40  # steps of each run of `make bench-sft` (sft only)
     save_steps: int = 100
     save_total_limit: int = 2
@@ -804,6 +807,9 @@ def validate(cfg) -> None:
     for key in ("base", "sft"):
         if cfg[key].group_by_length and cfg[key].packing:
             _fail(f"{key}.group_by_length and {key}.packing exclude each other: packed rows have no padding to save")
+        if cfg[key].shared_prefixes and (cfg[key].packing or cfg[key].fused_lm_head):
+            _fail(f"{key}.shared_prefixes lays each batch out itself and scores it from the plain logits: it "
+                  f"excludes {key}.packing and needs {key}.fused_lm_head=false")
         rows = cfg[key].rows_per_sequence
         if rows > 1 and (cfg[key].packing or cfg[key].group_by_length):
             _fail(f"{key}.rows_per_sequence={rows} packs each batch itself: it excludes {key}.packing and "
@@ -1047,6 +1053,8 @@ def config_hash(cfg, keys: List[str] | None = None) -> str:
                 data[key].pop("rows_per_sequence")  # one row a sequence, as before the field: the hash stays
             if data[key].get("fused_lm_head") is True:
                 data[key].pop("fused_lm_head")  # TRL's head, as before the field: the hash stays
+            if data[key].get("shared_prefixes") is False:
+                data[key].pop("shared_prefixes")  # every row computed whole, as before the field: the hash stays
     if keys is not None:
         data = {k: data[k] for k in keys}
     blob = json.dumps(data, sort_keys=True).encode()

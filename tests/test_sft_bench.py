@@ -38,24 +38,29 @@ def base_done(tmp_path):
     return cfg, args
 
 
-def test_bench_sft_compares_padded_and_packed_batches_of_the_same_rows(base_done, monkeypatch, tmp_path):
+def test_bench_sft_compares_padded_packed_and_shared_prefix_batches_of_the_same_rows(base_done, monkeypatch, tmp_path):
     from recipe.sft import bench
 
     cfg, args = base_done
     monkeypatch.chdir(tmp_path)
     bench.main(args)
     out = json.loads((stage_dir(cfg, "bench") / "sft.json").read_text())
-    assert [r["arm"] for r in out["runs"]] == ["padded", "packed", "padded", "packed"]
-    padded, packed = out["arms"]["padded"], out["arms"]["packed"]
+    assert [r["arm"] for r in out["runs"]] == ["padded", "packed", "shared"] * 2
+    padded, packed, shared = (out["arms"][arm] for arm in ("padded", "packed", "shared"))
     assert padded["rows_per_sequence"] == 1 and packed["rows_per_sequence"] == 4
-    assert packed["tokens"] == padded["tokens"] > 0  # the same rows, counted without padding
-    assert packed["padding"] < padded["padding"]
+    assert not padded["shared_prefixes"] and not packed["shared_prefixes"] and shared["shared_prefixes"]
+    assert packed["tokens"] == padded["tokens"] == shared["tokens"] > 0  # the same rows, counted without padding
+    assert packed["padding"] < padded["padding"] and shared["padding"] == 0.0
+    # the math rows share their instructions: a prefix computed once spares a share of the rows' tokens
+    assert shared["prefix_spared"] > 0.1 and padded["prefix_spared"] == packed["prefix_spared"] == 0.0
     assert out["max_loss_difference"] < 1e-3
     assert out["speedup"] == pytest.approx(packed["tokens_per_s"] / padded["tokens_per_s"])
+    assert out["speedup_shared"] == pytest.approx(shared["tokens_per_s"] / padded["tokens_per_s"])
     assert all(r["steps"] == 3 for r in out["runs"])
     report = (tmp_path / "runs" / "RESULTS.md").read_text()
-    assert "## Performance: SFT batches, padded against packed" in report
-    assert f"| packed | 4 | {packed['padding']:.1%} | {packed['tokens_per_s']:.0f} |" in report
+    assert "## Performance: SFT batches: padded, packed, shared prefixes" in report
+    assert f"| packed | 4 | {packed['padding']:.1%} | 0.0% | {packed['tokens_per_s']:.0f} |" in report
+    assert f"| shared prefixes | all | 0.0% | {shared['prefix_spared']:.1%} | {shared['tokens_per_s']:.0f} |" in report
 
 
 def test_bench_sft_needs_packed_rows(base_done, capsys):

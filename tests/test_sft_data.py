@@ -139,15 +139,101 @@ def test_a_short_sft_run_trains_on_the_masked_dataset(tiny, tmp_path):
     cfg, tok, rows = tiny
     sft = load_config(["sft.max_steps=2", "sft.batch_size=4", "sft.logging_steps=1", "sft.save_steps=100",
                        "sft.threads=1"]).sft
-    out = train_supervised(build_tiny_model(cfg.model.tiny, tok), tok, chat_dataset(rows, tok), sft,
-                           tmp_path / "sft", use_cpu=True)
+    assert sft.shared_prefixes  # the tiny preset's batches: the rows' shared prompt prefixes computed once
+    model = build_tiny_model(cfg.model.tiny, tok)
+    out = train_supervised(model, tok, chat_dataset(rows, tok), sft, tmp_path / "sft", use_cpu=True)
     assert (out / "model.safetensors").exists()
+    assert model.config._attn_implementation == "sdpa_gqa"  # sdpa_tree is for the training batches only
+    spared = [json.loads(x)["prefix_spared"] for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()
+              if "prefix_spared" in json.loads(x)]
+    assert len(spared) == 2 and all(0 <= x < 1 for x in spared) and max(spared) > 0
     losses = [json.loads(x)["loss"] for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()
               if "loss" in json.loads(x)]
     assert len(losses) == 2 and all(0 < x < 100 for x in losses)
     padding = [json.loads(x)["padding"] for x in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()
                if "padding" in json.loads(x)]
     assert len(padding) == 2 and all(0 <= x < 1 for x in padding)  # each step's share, logged with the loss
+
+
+def test_shared_prefix_plan_computes_the_fewest_tokens():
+    """Rows in sorted order, grouped in runs that share a prefix: the grouping that leaves the fewest tokens, every
+    row in one group, no prefix longer than what each of its rows may share."""
+    from recipe.sft import shared_prefix_plan
+
+    rows = [[6, 6, 6], [1, 2, 3, 4, 9], [1, 2, 3, 5, 7], [1, 2, 3, 4, 8]]
+    # three rows share 3 tokens (6 spared) where two share 4 (4 spared)
+    assert shared_prefix_plan(rows, [9] * 4) == [(3, [3, 1, 2]), (0, [0])]
+    # a row may share only its tokens before the one before its first label: here the second row, 2 of them
+    assert shared_prefix_plan(rows, [9, 2, 9, 9]) == [(2, [3, 1, 2]), (0, [0])]
+    assert shared_prefix_plan(rows, [0] * 4) == [(0, [3]), (0, [1]), (0, [2]), (0, [0])]
+    assert shared_prefix_plan([[5, 5], [5, 5]], [1, 1]) == [(1, [0, 1])]  # the same rows: all they may share
+    many = [[1, 2, 3, i % 3, i] for i in range(20)] + [[9, i] for i in range(5)]
+    groups = shared_prefix_plan(many, [4] * 25)
+    assert sorted(i for _, members in groups for i in members) == list(range(25))  # every row once
+    # three groups of 4 shared tokens (i % 3 after 1, 2, 3) spare more than one group of 3, and [9, i] share 1
+    assert sum((len(m) - 1) * p for p, m in groups) == (6 + 6 + 5) * 4 + 4 * 1
+
+
+def test_shared_prefix_batches_train_what_packed_ones_train(tiny, tmp_path):
+    """SharedPrefixCollator: the batch as one flat sequence with each prompt prefix its rows share computed once.
+    The same label tokens are trained, fewer tokens are computed, each row sees its prefix and itself only under
+    sdpa_tree, and the trainer's loss, every gradient and the logged metrics are the packed batch's, to float
+    rounding. Without the layout the flat sequence would be one long row, and the loss another."""
+    import copy
+
+    import torch
+    from trl import SFTConfig
+
+    from recipe.model import build_tiny_model
+    from recipe.model.attention import SDPA_ROWS, SDPA_TREE
+    from recipe.sft import PackedBatchCollator, ResumingSFTTrainer, SharedPrefixCollator, chat_dataset
+
+    cfg, tok, rows = tiny
+    data = chat_dataset(rows, tok)
+    examples = [{"input_ids": r["input_ids"],
+                 "labels": [t if m else -100 for t, m in zip(r["input_ids"], r["assistant_masks"])]}
+                for r in data][:32]
+    packed = PackedBatchCollator(tok.pad_token_id, 4)(examples)
+    shared = SharedPrefixCollator(tok.pad_token_id)(examples)
+    assert shared["input_ids"].shape == (1, shared["real_tokens"]) and "attention_mask" not in shared
+    assert shared["row_tokens"] == packed["real_tokens"] == sum(len(e["input_ids"]) for e in examples)
+    assert shared["real_tokens"] < 0.85 * shared["row_tokens"]  # a task's rows share its instructions
+
+    def trained(batch):
+        keep = batch["labels"] != -100
+        return sorted(batch["labels"][keep].tolist())
+    assert trained(shared) == trained(packed)
+    # every row's tokens, at their own positions, are in the flat sequence: a shared prefix once, then the row's own
+    flat, positions = shared["input_ids"][0].tolist(), shared["position_ids"][0].tolist()
+    at = {(p, t) for p, t in zip(positions, flat)}
+    assert all((p, t) in at for e in examples for p, t in enumerate(e["input_ids"]))
+
+    model = build_tiny_model(cfg.model.tiny, tok)
+    args = SFTConfig(output_dir=str(tmp_path), max_length=1024, use_cpu=True, report_to="none", bf16=False,
+                     dataloader_num_workers=0)
+    runs = {}
+    for name, batch, attention in (("packed", packed, SDPA_ROWS), ("shared", shared, SDPA_TREE)):
+        trainer = ResumingSFTTrainer(model=copy.deepcopy(model), args=args, train_dataset=data,
+                                     processing_class=tok, fused_lm_head=False)
+        trainer.model.set_attn_implementation(attention)
+        trainer.model.train()
+        batch = {k: v for k, v in batch.items() if k not in ("real_tokens", "row_tokens")}
+        n = int((batch["labels"][:, 1:] != -100).sum())
+        loss = trainer.compute_loss(trainer.model, dict(batch), num_items_in_batch=n)
+        loss.backward()
+        metrics = trainer._metrics["train"]
+        runs[name] = (loss.detach(), {k: p.grad for k, p in trainer.model.named_parameters()},
+                      metrics["entropy"][-1], metrics["mean_token_accuracy"][-1])
+        if name == "shared":  # the flat sequence without its layout: every row would see the rows before it
+            with torch.no_grad():
+                flat = trainer.compute_loss(trainer.model, {k: v for k, v in batch.items() if k != "tree_rows"},
+                                            num_items_in_batch=n)
+            assert abs(float(flat) - float(loss.detach())) > 1e-3
+    (loss_a, grads_a, *logged_a), (loss_b, grads_b, *logged_b) = runs["packed"], runs["shared"]
+    torch.testing.assert_close(loss_b, loss_a, atol=1e-5, rtol=1e-5)
+    for k in grads_a:
+        torch.testing.assert_close(grads_b[k], grads_a[k], atol=1e-5, rtol=1e-4, msg=k)
+    assert logged_b == pytest.approx(logged_a, abs=1e-5)
 
 
 # ---------------------------------------------------------------- tools and tool calls through the template
@@ -451,7 +537,13 @@ def test_rows_per_sequence_is_checked():
     with pytest.raises(ConfigError, match="sft.rows_per_sequence must be an integer"):
         load_config(["sft.rows_per_sequence=0"])
     with pytest.raises(ConfigError, match="sft.rows_per_sequence=4 packs each batch itself: it excludes sft.packing"):
-        load_config(["sft.rows_per_sequence=4", "sft.packing=true"])
+        load_config(["sft.rows_per_sequence=4", "sft.packing=true", "sft.shared_prefixes=false"])
+    for bad in (["sft.packing=true"], ["sft.fused_lm_head=true"]):
+        with pytest.raises(ConfigError, match=r"sft.shared_prefixes lays each batch out itself .* excludes sft.packing "
+                                              r"and needs sft.fused_lm_head=false"):
+            load_config(["sft.shared_prefixes=true", *bad])
     with pytest.raises(ConfigError, match=r"sft.rows_per_sequence=3 must divide each rank's 16 rows"):
         per_device_batch(TrainConfig(batch_size=32, rows_per_sequence=3), "sft", 2)
     assert per_device_batch(TrainConfig(batch_size=32, rows_per_sequence=4), "sft", 2) == 16
+    # a flat batch of shared prefixes has no sequences for rows_per_sequence to fill
+    assert per_device_batch(TrainConfig(batch_size=30, rows_per_sequence=4, shared_prefixes=True), "sft", 2) == 15

@@ -434,3 +434,14 @@ def test_samples_of_advantage_zero_are_not_run_but_counted_and_the_step_is_that_
     start = tiny_model().state_dict()
     assert any(not torch.equal(w_skip[k], start[k]) for k in start)  # weight decay moved them
     assert all(torch.allclose(w_skip[k], w_run[k], atol=1e-9, rtol=0) for k in w_run)
+
+
+def test_a_tree_layout_takes_one_level_of_prefixes_and_no_empty_segment():
+    from recipe.model.attention import TreeRows
+
+    layout = TreeRows([3, 2, 1, 4], [-1, 0, 0, -1])
+    assert sorted(layout.pick.tolist()) == sorted(set(layout.pick.tolist())) and len(layout.pick) == 10
+    assert layout.queries[layout.pick].tolist() == list(range(10))  # each token's output comes from its own slot
+    for lengths, parents in (([3, 2, 1], [-1, 0, 1]), ([3, 0], [-1, 0])):
+        with pytest.raises(ValueError, match="every segment needs a token, and a parent has no parent"):
+            TreeRows(lengths, parents)

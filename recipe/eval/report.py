@@ -157,23 +157,30 @@ def sft_bench_section(cfg) -> str:
         return "_No SFT benchmark yet: run `make bench-sft`._\n"
     prov, arms = b["provenance"], b["arms"]
     loads = ", ".join(_load(r["load_avg_1m_at_start"]) for r in b["runs"])
+    shown = [arm for arm in ("padded", "packed", "shared") if arm in arms]  # (a bench before `shared` has two)
+    shared = ("Shared prefixes: each batch as one flat sequence in which a prompt prefix that several of its rows "
+              "share is computed once, each row attending to its prefix and then within itself "
+              "(recipe.sft.SharedPrefixCollator, sdpa_tree); its tokens/s count every row whole. "
+              if "shared" in arms else "")
     out = [f"Reproduce: `{b['command']}`. The preset's SFT from the base model, {b['steps']} steps of "
-           f"{b['batch_size']} random rows (the same rows in both arms), run {', '.join(b['order'])} in turn; each "
+           f"{b['batch_size']} random rows (the same rows in every arm), run {', '.join(b['order'])} in turn; each "
            "arm's figures are the mean of its runs. Tokens/s: trained tokens a step (padding left out) over the "
            "median step time (the first step left out). Packed: each batch's rows laid end to end, "
            f"{arms['packed']['rows_per_sequence']} to a sequence, positions restarting at each row "
            "(recipe.sft.PackedBatchCollator), each row attending within itself (sdpa_rows, "
-           "recipe.model.attention). Commit "
+           f"recipe.model.attention). {shared}Commit "
            f"{_commit(prov)}, {prov['hardware']['cpus']} CPUs, load "
            f"{loads} at the runs' starts.\n\n",
-           "| batches | rows a sequence | padding | tokens/s | s a step | vs padded | forward+backward s | "
-           "optimizer s | rest s |\n", "|---|---|---|---|---|---|---|---|---|\n"]
-    for arm in ("padded", "packed"):
+           "| batches | rows a sequence | padding | tokens spared by shared prefixes | tokens/s | s a step | vs padded "
+           "| forward+backward s | optimizer s | rest s |\n", "|---|---|---|---|---|---|---|---|---|---|\n"]
+    for arm in shown:
         r = arms[arm]
         ratio = r["tokens_per_s"] / arms["padded"]["tokens_per_s"]
-        out.append(f"| {arm} | {r['rows_per_sequence']} | {r['padding']:.1%} | {r['tokens_per_s']:.0f} | "
-                   f"{r['step_s']:.3f} | x{ratio:.2f} | {r['forward_backward_s']:.3f} | {r['optimizer_s']:.3f} | "
-                   f"{r['rest_s']:.3f} |\n")
+        name = "shared prefixes" if arm == "shared" else arm
+        rows = "all" if arm == "shared" else r["rows_per_sequence"]
+        out.append(f"| {name} | {rows} | {r['padding']:.1%} | {r.get('prefix_spared', 0.0):.1%} | "
+                   f"{r['tokens_per_s']:.0f} | {r['step_s']:.3f} | x{ratio:.2f} | {r['forward_backward_s']:.3f} | "
+                   f"{r['optimizer_s']:.3f} | {r['rest_s']:.3f} |\n")
     out.append(f"\nThe loss logged at each of the {b['steps']} steps differs between the arms' first runs by at most "
                f"{b['max_loss_difference']:.2g} (float rounding: the same rows and label tokens).\n")
     return "".join(out)
@@ -780,7 +787,7 @@ def write_report(cfg) -> Path:
         parts.append(f"\n![learning curves]({png.relative_to(root)})\n")
     parts += ["\n### Eval during RL\n\n", eval_during_rl_section(cfg, root, rl)]
     parts += ["\n## Paper benchmarks\n\n", paper_section(cfg)]
-    parts += ["\n## Performance: SFT batches, padded against packed\n\n", sft_bench_section(cfg)]
+    parts += ["\n## Performance: SFT batches: padded, packed, shared prefixes\n\n", sft_bench_section(cfg)]
     parts += ["\n## Performance: asynchronous against synchronous RL\n\n", bench_section(cfg)]
     parts += ["\n## Performance: this recipe's RL against TRL's GRPOTrainer\n\n", trl_bench_section(cfg)]
     parts += ["\n## Performance: the inference engine's decode step\n\n", engine_section(cfg)]

@@ -11,7 +11,8 @@ Models load with it wherever the config says sdpa (recipe.model.load_pretrained,
 saved with the model, so a saved folder loads anywhere with the stock sdpa.
 
 sdpa_rows (below): the attention of packed SFT batches, each row within itself; sdpa_prefix: an RL step's completions
-in one pass, each row against its prompt's keys and its own.
+in one pass, each row against its prompt's keys and its own; sdpa_tree: SFT rows in one pass with the prompt
+prefixes they share computed once.
 """
 from __future__ import annotations
 
@@ -237,6 +238,90 @@ def sdpa_prefix_attention(module, query, key, value, attention_mask, dropout=0.0
 
 AttentionInterface.register(SDPA_PREFIX, sdpa_prefix_attention)
 AttentionMaskInterface.register(SDPA_PREFIX, rows_mask)  # the flat pass has no mask; others get sdpa's
+
+
+# A batch of SFT rows whose prompts share their first tokens (a task's instructions, the chat template's start) as
+# one flat sequence with each shared prefix in it once (recipe.sft.SharedPrefixCollator): a prefix's tokens attend
+# causally within it, a row's own tokens to its prefix and then causally to themselves. One pass, one graph: the
+# gradient of a prefix token sums over the rows that read it, as if each row had its own copy (float rounding).
+SDPA_TREE = "sdpa_tree"
+
+
+class TreeRows:
+    """The layout of a flat pass of segments laid end to end: `lengths` [segments] tokens each (at least 1),
+    `parents` [segments] the segment whose keys come before a segment's own (a prefix), or -1. A parent has no
+    parent itself. For each sdpa call its rows, longest query, key width and mask (None: causal within the row),
+    and one gather each for queries and keys (a padding slot repeats its row's last token) with the pick that puts
+    the calls' real outputs back in the flat order."""
+
+    def __init__(self, lengths: list[int], parents: list[int], rows_per_call: int = ROWS_PER_CALL):
+        n = torch.tensor(lengths)
+        starts = torch.cumsum(n, 0) - n
+        parent = torch.tensor(parents)
+        if bool((n < 1).any()) or bool(((parent >= 0) & (parent[parent.clamp(min=0)] >= 0)).any()):
+            raise ValueError("TreeRows: every segment needs a token, and a parent has no parent")
+        roots, children = (parent < 0).nonzero().flatten(), (parent >= 0).nonzero().flatten()
+        # (rows, longest query, key width, mask, query slots, key slots, real query slots) of each call
+        calls = []
+        for kind in (roots, children):
+            width = n[kind] + n[parent[kind]] * (parent[kind] >= 0)  # what each row's query reads
+            order = kind[torch.argsort(width, descending=True, stable=True)]
+            for at in range(0, len(order), rows_per_call):
+                rows = order[at:at + rows_per_call]
+                longest = int(n[rows].max())
+                column = torch.arange(longest)
+                own = starts[rows, None] + torch.minimum(column, n[rows, None] - 1)
+                real = (column < n[rows, None]).flatten()
+                if kind is roots:  # causal and unmasked: a row padded at its right never sees the padding
+                    calls.append((len(rows), longest, longest, None, own.flatten(), own.flatten(), real))
+                    continue
+                up = parent[rows]
+                up_width = int(n[up].max())
+                up_column = torch.arange(up_width)
+                keys = torch.cat([starts[up, None] + torch.minimum(up_column, n[up, None] - 1), own], 1)
+                sees_up = (up_column < n[up, None])[:, None, None, :].expand(-1, 1, longest, -1)
+                sees_own = torch.ones(longest, longest, dtype=torch.bool).tril().expand(len(rows), 1, -1, -1)
+                calls.append((len(rows), longest, up_width + longest, torch.cat([sees_up, sees_own], -1),
+                              own.flatten(), keys.flatten(), real))
+        self.calls = [(rows, longest, width, mask) for rows, longest, width, mask, _, _, _ in calls]
+        self.queries = torch.cat([c[4] for c in calls])
+        self.keys = torch.cat([c[5] for c in calls])
+        self.query_sizes = [len(c[4]) for c in calls]
+        self.key_sizes = [len(c[5]) for c in calls]
+        real = torch.cat([c[6] for c in calls])
+        inverse = torch.empty(int(n.sum()), dtype=torch.long)
+        inverse[self.queries[real]] = torch.arange(int(real.sum()))
+        self.pick = real.nonzero().flatten()[inverse]
+
+    def to(self, device, **kwargs) -> TreeRows:  # (accelerate moves a batch's objects with .to)
+        for name in ("queries", "keys", "pick"):
+            setattr(self, name, getattr(self, name).to(device))
+        self.calls = [(r, q, k, m if m is None else m.to(device)) for r, q, k, m in self.calls]
+        return self
+
+
+def sdpa_tree_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                        tree_rows: TreeRows | None = None, **kwargs):
+    if tree_rows is None:
+        return sdpa_gqa_attention(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+    _, heads, width, dim = query.shape  # one sequence: the segments end to end
+    kv_heads = key.shape[1]
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # (tokens, heads, dim)
+    outs = []
+    for (rows, longest, keys, mask), qc, kc, vc in zip(
+            tree_rows.calls, q.index_select(0, tree_rows.queries).split(tree_rows.query_sizes),
+            *(t.index_select(0, tree_rows.keys).split(tree_rows.key_sizes) for t in (k, v))):
+        qc = qc.view(rows, longest, heads, dim).transpose(1, 2)
+        kc, vc = (t.view(rows, keys, kv_heads, dim).transpose(1, 2) for t in (kc, vc))
+        out = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=mask, dropout_p=dropout, scale=scaling,
+                                             is_causal=mask is None, enable_gqa=kv_heads != heads)
+        outs.append(out.transpose(1, 2).reshape(rows * longest, heads, dim))
+    return torch.cat(outs).index_select(0, tree_rows.pick).view(1, width, heads, dim), None
+
+
+AttentionInterface.register(SDPA_TREE, sdpa_tree_attention)
+AttentionMaskInterface.register(SDPA_TREE, rows_mask)
 
 
 @contextmanager

@@ -1,14 +1,16 @@
-"""`make bench-sft`: padded SFT batches against packed ones (sft.rows_per_sequence), on the same rows.
+"""`make bench-sft`: padded SFT batches against packed ones (sft.rows_per_sequence) and against batches whose rows
+share their prompt prefixes (sft.shared_prefixes), on the same rows.
 
-Both arms train the preset's SFT from the same base model on the same random batches (same seed) for
-sft.bench_steps steps: arm `padded` one row a sequence, arm `packed` sft.rows_per_sequence rows a sequence. They run
-in turn, padded-packed-padded-packed, so that a change of the machine's load over the bench falls on both; each
-arm's figures are the mean of its two runs. Reported: the padding share of the batches, trained (non-padding)
-tokens per second (the mean tokens a step over the median step time, the first step left out), seconds a step,
-the largest difference of the logged loss between the arms (the same rows and label tokens: the loss should
-agree up to float rounding), and the parts of a step (forward and backward,
-optimizer, the rest) as its profile. Results go to runs/<preset>/bench/sft.json and
-into RESULTS.md.
+The arms train the preset's SFT from the same base model on the same random batches (same seed) for
+sft.bench_steps steps: arm `padded` one row a sequence, arm `packed` sft.rows_per_sequence rows a sequence, arm
+`shared` one flat sequence a batch with each prompt prefix that its rows share computed once
+(recipe.sft.SharedPrefixCollator). They run in turn, padded-packed-shared twice, so that a change of the machine's
+load over the bench falls on all; each arm's figures are the mean of its two runs. Reported: the padding share of
+the batches, the share of the rows' tokens a shared prefix spares, trained tokens per second (the rows' tokens, no
+padding, each row counted whole: the mean a step over the median step time, the first step left out), seconds a
+step, the largest difference of the logged loss from the padded arm (the same rows and label tokens: the loss should
+agree up to float rounding), and the parts of a step (forward and backward, optimizer, the rest) as its profile.
+Results go to runs/<preset>/bench/sft.json and into RESULTS.md.
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ from recipe.model import load_pretrained
 from recipe.runs import Began, load_avg, require_done, stage_dir, stage_main
 from recipe.sft import chat_dataset, train_supervised
 
-ORDER = ("padded", "packed", "padded", "packed")
+ORDER = ("padded", "packed", "shared", "padded", "packed", "shared")
+ARMS = ("padded", "packed", "shared")
 
 
 class StepParts(TrainerCallback):
@@ -54,11 +57,12 @@ class StepParts(TrainerCallback):
                 self.parts[key].append(b - a)
 
 
-def bench_run(cfg, rows_per_sequence: int, dataset, base: str, out_dir) -> dict:
+def bench_run(cfg, rows_per_sequence: int, shared_prefixes: bool, dataset, base: str, out_dir) -> dict:
     """One SFT run of sft.bench_steps steps from the base model; no checkpoint before the end."""
     train_cfg = OmegaConf.merge(cfg.sft, {"max_steps": cfg.sft.bench_steps, "rows_per_sequence": rows_per_sequence,
+                                          "shared_prefixes": shared_prefixes,
                                           "save_steps": cfg.sft.bench_steps + 1, "logging_steps": 1,
-                                          "adapt_threads": False})  # both arms at sft.threads, whatever the load
+                                          "adapt_threads": False})  # all arms at sft.threads, whatever the load
     shutil.rmtree(out_dir, ignore_errors=True)
     model, tokenizer = load_pretrained(base, cfg.model.revision, cfg.model.dtype, cfg.model.attn_implementation)
     load = load_avg()
@@ -70,9 +74,12 @@ def bench_run(cfg, rows_per_sequence: int, dataset, base: str, out_dir) -> dict:
     # the median step, the first left out (warm-up): a burst of load from elsewhere moves a median little
     step_s = median([b["elapsed_s"] - a["elapsed_s"] for a, b in zip(steps, steps[1:])])
     tokens = steps[-1]["num_tokens"]
-    return {"rows_per_sequence": rows_per_sequence, "steps": len(steps), "step_s": step_s,
-            "seconds": steps[-1]["elapsed_s"], "tokens": tokens, "tokens_per_s": tokens / len(steps) / step_s,
-            "padding": sum(r["padding"] for r in steps) / len(steps), "loss": [r["loss"] for r in steps],
+    return {"rows_per_sequence": rows_per_sequence, "shared_prefixes": shared_prefixes, "steps": len(steps),
+            "step_s": step_s, "seconds": steps[-1]["elapsed_s"], "tokens": tokens,
+            "tokens_per_s": tokens / len(steps) / step_s,
+            "padding": sum(r["padding"] for r in steps) / len(steps),
+            "prefix_spared": sum(r.get("prefix_spared", 0.0) for r in steps) / len(steps),
+            "loss": [r["loss"] for r in steps],
             # the median of each part over the steps after the first
             **{key: median(v[1:]) for key, v in parts.parts.items()},
             "load_avg_1m_at_start": load}
@@ -93,24 +100,29 @@ def main(cfg):
     began = Began.now()
     runs = []
     for i, arm in enumerate(ORDER):
-        run = bench_run(cfg, 1 if arm == "padded" else packed_rows, dataset, base, bench_dir / f"sft_{i}_{arm}")
+        run = bench_run(cfg, packed_rows if arm == "packed" else 1, arm == "shared", dataset, base,
+                        bench_dir / f"sft_{i}_{arm}")
         runs.append({"arm": arm, **run})
         print(f"bench-sft: run {i + 1}/{len(ORDER)} {arm}: {run['tokens_per_s']:.0f} tokens/s, "
               f"padding {run['padding']:.1%}, {run['step_s']:.3f} s a step")
     arms = {}
-    for arm in ("padded", "packed"):
+    for arm in ARMS:
         mine = [r for r in runs if r["arm"] == arm]
-        arms[arm] = {"rows_per_sequence": mine[0]["rows_per_sequence"], "runs": len(mine),
-                     "tokens_per_s": mean(r["tokens_per_s"] for r in mine), "step_s": mean(r["step_s"] for r in mine),
-                     "padding": mean(r["padding"] for r in mine), "tokens": mine[0]["tokens"],
+        arms[arm] = {"rows_per_sequence": mine[0]["rows_per_sequence"], "shared_prefixes": mine[0]["shared_prefixes"],
+                     "runs": len(mine), "tokens_per_s": mean(r["tokens_per_s"] for r in mine),
+                     "step_s": mean(r["step_s"] for r in mine), "padding": mean(r["padding"] for r in mine),
+                     "prefix_spared": mean(r["prefix_spared"] for r in mine), "tokens": mine[0]["tokens"],
                      **{key: mean(r[key] for r in mine) for key in StepParts().parts}}
-    a, b = runs[0]["loss"], runs[1]["loss"]
+    first = {arm: next(r["loss"] for r in runs if r["arm"] == arm) for arm in ARMS}
     out = {"steps": cfg.sft.bench_steps, "batch_size": cfg.sft.batch_size, "order": list(ORDER), "runs": runs,
            "arms": arms, "speedup": arms["packed"]["tokens_per_s"] / arms["padded"]["tokens_per_s"],
-           "max_loss_difference": max(abs(x - y) for x, y in zip(a, b))}
-    print(f"bench-sft: packed {arms['packed']['tokens_per_s']:.0f} tokens/s at {arms['packed']['padding']:.1%} padding, "
-          f"padded {arms['padded']['tokens_per_s']:.0f} tokens/s at {arms['padded']['padding']:.1%}: "
-          f"x{out['speedup']:.2f}; the loss of the two arms differs by at most {out['max_loss_difference']:.2g}")
+           "speedup_shared": arms["shared"]["tokens_per_s"] / arms["padded"]["tokens_per_s"],
+           "max_loss_difference": max(abs(x - y) for arm in ARMS[1:] for x, y in zip(first["padded"], first[arm]))}
+    print(f"bench-sft: padded {arms['padded']['tokens_per_s']:.0f} tokens/s at {arms['padded']['padding']:.1%} "
+          f"padding; packed {arms['packed']['tokens_per_s']:.0f} at {arms['packed']['padding']:.1%} "
+          f"(x{out['speedup']:.2f}); shared prefixes {arms['shared']['tokens_per_s']:.0f} at "
+          f"{arms['shared']['padding']:.1%}, {arms['shared']['prefix_spared']:.1%} of the rows' tokens spared "
+          f"(x{out['speedup_shared']:.2f}); the loss of the arms differs by at most {out['max_loss_difference']:.2g}")
     write_bench(cfg, "bench-sft", "sft", out, began)
 
 
