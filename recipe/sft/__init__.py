@@ -191,7 +191,9 @@ class ResumingSFTTrainer(SFTTrainer):
     Batches: group_by_length, rows of about one length in a batch (_get_train_sampler).
 
     Padding: the share of padding tokens in the batches since the last log, as `padding` in metrics.jsonl. With
-    rows_per_sequence > 1 the batches come from PackedBatchCollator, and the token counter counts their rows.
+    rows_per_sequence > 1 the batches come from PackedBatchCollator, and the token counter counts their rows; with
+    shared_prefixes from SharedPrefixCollator, the counter counting each row whole and `prefix_spared` the share
+    of the rows' tokens that their shared prefixes spared the step.
 
     Token counter: TRL keeps the `num_tokens` it logs in the trainer (`_total_train_tokens`), which starts at 0 in
     every process, so after a resume the metric restarted from 0. Each checkpoint records it in the TrainerState's
