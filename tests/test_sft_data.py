@@ -194,7 +194,7 @@ def test_shared_prefix_batches_train_what_packed_ones_train(tiny, tmp_path):
                  "labels": [t if m else -100 for t, m in zip(r["input_ids"], r["assistant_masks"])]}
                 for r in data][:32]
     packed = PackedBatchCollator(tok.pad_token_id, 4)(examples)
-    shared = SharedPrefixCollator(tok.pad_token_id)(examples)
+    shared = SharedPrefixCollator()(examples)
     assert shared["input_ids"].shape == (1, shared["real_tokens"]) and "attention_mask" not in shared
     assert shared["row_tokens"] == packed["real_tokens"] == sum(len(e["input_ids"]) for e in examples)
     assert shared["real_tokens"] < 0.85 * shared["row_tokens"]  # a task's rows share its instructions

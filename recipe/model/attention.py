@@ -263,7 +263,7 @@ class TreeRows:
         roots, children = (parent < 0).nonzero().flatten(), (parent >= 0).nonzero().flatten()
         # (rows, longest query, key width, mask, query slots, key slots, real query slots) of each call
         calls = []
-        for kind in (roots, children):
+        for is_root, kind in ((True, roots), (False, children)):
             width = n[kind] + n[parent[kind]] * (parent[kind] >= 0)  # what each row's query reads
             order = kind[torch.argsort(width, descending=True, stable=True)]
             for at in range(0, len(order), rows_per_call):
@@ -272,7 +272,7 @@ class TreeRows:
                 column = torch.arange(longest)
                 own = starts[rows, None] + torch.minimum(column, n[rows, None] - 1)
                 real = (column < n[rows, None]).flatten()
-                if kind is roots:  # causal and unmasked: a row padded at its right never sees the padding
+                if is_root:  # causal and unmasked: a row padded at its right never sees the padding
                     calls.append((len(rows), longest, longest, None, own.flatten(), own.flatten(), real))
                     continue
                 up = parent[rows]

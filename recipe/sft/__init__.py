@@ -398,12 +398,9 @@ class SharedPrefixCollator:
     token, whose prediction comes from the prefix's last position in the row's own sequence, is never a label.
 
     On the tiny chat rows (a task's instructions, the chat template's opening) a random batch of 32 computes about
-    30% fewer tokens than packed batches, and a step of forward and backward took about 25% less time
-    (docs/performance.md, "SFT: a step"). `real_tokens`: the tokens computed (there is no padding); `row_tokens`:
-    the rows' own, which the token counter counts, as for the other batches."""
-
-    def __init__(self, pad_token_id: int):
-        self.pad_token_id = pad_token_id
+    a third fewer tokens than packed batches, and its forward and backward took 10 to 30% less time, the less at
+    two threads (docs/performance.md, "SFT: a step"). `real_tokens`: the tokens computed (there is no padding);
+    `row_tokens`: the rows' own, which the token counter counts, as for the other batches."""
 
     def __call__(self, examples: list[dict]) -> dict:
         ids = [list(ex["input_ids"]) for ex in examples]
@@ -499,15 +496,15 @@ def train_supervised(model, tokenizer, dataset, train_cfg, stage_dir: Path, use_
     )
     with tracking.environment():
         collator = None
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         if train_cfg.shared_prefixes:
             if model.config._attn_implementation != SDPA_GQA or train_cfg.fused_lm_head:
                 raise ConfigError(f"config error: {key}.shared_prefixes needs the model's attention to be sdpa "
                                   f"(model.attn_implementation; it is {model.config._attn_implementation}) and "
                                   f"{key}.fused_lm_head=false")
-            collator = SharedPrefixCollator(pad)
+            collator = SharedPrefixCollator()
             model.set_attn_implementation(SDPA_TREE)  # a row attends to its prefix, then to itself
         elif train_cfg.rows_per_sequence > 1:
+            pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
             collator = PackedBatchCollator(pad, train_cfg.rows_per_sequence)
             if model.config._attn_implementation == SDPA_GQA:  # each row attends within itself, unmasked
                 model.set_attn_implementation(SDPA_ROWS)
