@@ -55,20 +55,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import transformers
-
-from recipe.chat import SPECIAL_TOKENS, stop_token_ids
-from recipe.config import TinyArch, load_config
-from recipe.gpu_profile import profile_call, synced_clock
-from recipe.inference.hf import HFEngine
-from recipe.model import build_tiny_model, build_tokenizer
-from recipe.rl.dist import World, decoder_layers, shard_model
-from recipe.rl.loss import completion_logprobs
-from recipe.rl.orchestrator import Sample
-from recipe.rl.trainer import build_optimizer, full_state_dict, publish_weights, scheduler_for, train_step
-from recipe.rollout import SamplingParams
 
 H200_PEAK_BF16_TFLOPS = 989.0  # dense bf16, H100/H200 SXM datasheet (989.4); no sparsity
 
@@ -151,6 +137,39 @@ def parse_args(argv=None):
     if args.out is None:
         args.out = str(Path(os.environ["OUT"]) / "gpu_check.json") if os.environ.get("OUT") else "gpu_check.json"
     return args
+
+
+def no_cuda_error(torch) -> str | None:
+    """The one line for --device cuda on a machine where torch sees no GPU; None when it sees one."""
+    if torch.cuda.is_available():
+        return None
+    return (f"gpu_check: error: --device cuda, but torch {torch.__version__} sees no CUDA device "
+            f"(torch.cuda.is_available() is False); --device cpu --size tiny runs the check on the CPU")
+
+
+if __name__ == "__main__":
+    # `python -m recipe.gpu_check`: wrong flags, and --device cuda without a GPU, fail before transformers and the
+    # recipe's modules are imported (about 8 s of CPU)
+    if parse_args().device == "cuda":
+        import torch
+        if error := no_cuda_error(torch):
+            print(error, file=sys.stderr)
+            sys.exit(2)
+
+import torch
+import torch.distributed as dist
+import transformers
+
+from recipe.chat import SPECIAL_TOKENS, stop_token_ids
+from recipe.config import TinyArch, load_config
+from recipe.gpu_profile import profile_call, synced_clock
+from recipe.inference.hf import HFEngine
+from recipe.model import build_tiny_model, build_tokenizer
+from recipe.rl.dist import World, decoder_layers, shard_model
+from recipe.rl.loss import completion_logprobs
+from recipe.rl.orchestrator import Sample
+from recipe.rl.trainer import build_optimizer, full_state_dict, publish_weights, scheduler_for, train_step
+from recipe.rollout import SamplingParams
 
 
 def active_params(model) -> tuple[int, int, int]:
@@ -490,10 +509,8 @@ def table(r: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        print(f"gpu_check: error: --device cuda, but torch {torch.__version__} sees no CUDA device "
-              f"(torch.cuda.is_available() is False); --device cpu --size tiny runs the check on the CPU",
-              file=sys.stderr)
+    if args.device == "cuda" and (error := no_cuda_error(torch)):
+        print(error, file=sys.stderr)
         return 2
 
     if args.threads:

@@ -29,7 +29,6 @@ from itertools import islice
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Optional
 
-import datasets
 from huggingface_hub import hf_hub_download
 
 from recipe import hub
@@ -390,6 +389,8 @@ def _hub_rows(spec: Benchmark, cache_dir, streaming: bool) -> Iterator[dict]:
             if spec.data_files:
                 yield from _jsonl_files(spec, cache_dir)
             else:
+                import datasets  # here, not at the top: the RL and eval stages import this module (1 s of imports)
+
                 yield from datasets.load_dataset(spec.hub_id, spec.config_name, split=spec.split,
                                                  revision=spec.revision, cache_dir=cache_dir,
                                                  streaming=streaming and not offline)
