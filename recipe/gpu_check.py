@@ -139,8 +139,10 @@ def parse_args(argv=None):
     return args
 
 
-def no_cuda_error(torch) -> str | None:
+def no_cuda_error() -> str | None:
     """The one line for --device cuda on a machine where torch sees no GPU; None when it sees one."""
+    import torch  # (torch alone: the check below runs before the module's other imports)
+
     if torch.cuda.is_available():
         return None
     return (f"gpu_check: error: --device cuda, but torch {torch.__version__} sees no CUDA device "
@@ -150,11 +152,9 @@ def no_cuda_error(torch) -> str | None:
 if __name__ == "__main__":
     # `python -m recipe.gpu_check`: wrong flags, and --device cuda without a GPU, fail before transformers and the
     # recipe's modules are imported (about 8 s of CPU)
-    if parse_args().device == "cuda":
-        import torch
-        if error := no_cuda_error(torch):
-            print(error, file=sys.stderr)
-            sys.exit(2)
+    if parse_args().device == "cuda" and (error := no_cuda_error()):
+        print(error, file=sys.stderr)
+        sys.exit(2)
 
 import torch
 import torch.distributed as dist
@@ -509,7 +509,7 @@ def table(r: dict) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
 
-    if args.device == "cuda" and (error := no_cuda_error(torch)):
+    if args.device == "cuda" and (error := no_cuda_error()):
         print(error, file=sys.stderr)
         return 2
 

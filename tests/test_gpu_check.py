@@ -74,8 +74,10 @@ def test_cpu_tiny_check_through_the_script(tmp_path):
 def test_settings_that_do_not_go_together_are_one_line_each(tmp_path):
     for args, says in ((["--compile"], "--compile times SFT only: add --rl-steps 0"),
                        (["--trainer", "autocast", "--keep-gathered"], "--keep-gathered is a setting of --trainer fsdp")):
-        r = _script(["--device", "cpu", "--size", "tiny", *args], tmp_path)
+        # Python lists every import (the script puts stderr on stdout): the flags are refused before torch loads
+        r = _script(["--device", "cpu", "--size", "tiny", *args], tmp_path, PYTHONPROFILEIMPORTTIME="1")
         assert r.returncode == 2 and says in r.stdout + r.stderr, args
+        assert not re.search(r"\|\s+(torch|transformers)$", r.stdout + r.stderr, re.M), args
         assert not (tmp_path / "out" / "gpu_check.json").exists()
 
 

@@ -24,16 +24,18 @@ import shlex
 from pathlib import Path
 
 import jinja2
+import torch
 
 from recipe.config import checkpoint_entry
 from recipe.errors import ConfigError
 from recipe.eval.benchmarks import resolve, validate_benchmarks
+from recipe.eval.models import folder_name
+from recipe.inference.vllm import hf_server_command, server_command, server_env
 from recipe.launch.recipe_table import compare
 from recipe.launch.roles import INFERENCE_URLS_ENV, torchrun_on_nodes
+from recipe.model import count_params, meta_model
+from recipe.rl.trainer import optimizer_split
 from recipe.runs import stage_argv, stage_dir, stage_main, write_atomic
-
-# torch, transformers (through recipe.model and recipe.eval.models) and the engines' modules are imported in the
-# functions that use them: a placement that does not add up is one line in about a second, not after 8 s of imports
 
 GIB = 2 ** 30
 SERVER_HOST = "0.0.0.0"  # the trainer reaches the servers from other nodes
@@ -94,9 +96,6 @@ def param_counts(cfg) -> dict | None:
     come from the model built on the meta device and build_optimizer's own split (optimizer_split), or, for a
     model without an architecture in the config, from model.params_total_b with every parameter on AdamW (the
     most state a parameter can take). None if neither is stated."""
-    from recipe.model import count_params, meta_model
-    from recipe.rl.trainer import optimizer_split
-
     model = meta_model(cfg.model)
     if model is not None:
         total, active = count_params(model)
@@ -121,8 +120,6 @@ def memory_estimate(cfg, plan: dict) -> dict | None:
     cache, the layers gathered in model.dtype for a forward and temporary buffers are left out: these are the
     floors the model size alone sets.
     """
-    import torch
-
     n = param_counts(cfg)
     if n is None:
         return None
@@ -303,8 +300,6 @@ def _render(name: str, **values) -> str:
 def policy_server(cfg, model_path) -> tuple[list[str], dict, str]:
     """(command, environment, kind) of the policy server a policy node runs: `vllm serve` on GPU nodes, the hf
     engine behind the same HTTP endpoints on CPU nodes (rl.engine=hf)."""
-    from recipe.inference.vllm import hf_server_command, server_command, server_env
-
     if cfg.rl.engine == "vllm":
         # cuda=True: GPU nodes keep chunked prefill, whatever the machine that writes the plan has
         cmd = server_command(model_path, cfg, host=SERVER_HOST, python=SERVER_PYTHON, cuda=True)
@@ -375,8 +370,6 @@ def eval_server_command(cfg, entry: str, ep: dict) -> list[str]:
     generation_config (auto, as the release evals), the model at its revision, TP launcher.inference_tp and data
     parallel over the node's other GPUs; with eval.engine=hf the hf engine's server on a CPU node (as rl.sbatch's
     policy servers)."""
-    from recipe.inference.vllm import hf_server_command, server_command
-
     model, revision, _ = served_model(cfg, entry)
     if cfg.eval.engine != "vllm":
         return hf_server_command(model, cfg, host=SERVER_HOST, python=SERVER_PYTHON) + (
@@ -396,9 +389,6 @@ def eval_overrides(cfg, overrides: list[str], entry: str) -> list[str]:
 
 
 def eval_script(cfg, ep: dict, overrides: list[str]) -> str:
-    from recipe.eval.models import folder_name
-    from recipe.inference.vllm import server_env
-
     la = cfg.launcher
     env = {k: v for k, v in server_env(base={}, cuda=True).items() if k != "PYTHONPATH"}
     released = [m.name for m in cfg.eval.released]
@@ -523,8 +513,8 @@ def write_scripts(cfg, plan: dict, overrides: list[str]) -> tuple[list[Path], li
 
 
 def launch(cfg, overrides: list[str]) -> list[Path]:
-    plan = placement(cfg)
     validate_benchmarks(cfg.eval)
+    plan = placement(cfg)
     lines = describe(cfg, plan, memory_estimate(cfg, plan), throughput(cfg, plan))
     lines += describe_eval(cfg, eval_plan(cfg))
     written = []
