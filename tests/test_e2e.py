@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -114,9 +115,9 @@ def test_rl_metrics_have_one_record_per_step(pipeline):
     assert sum(r["staleness"].get("1", 0) for r in records) > 0
 
 
-def test_kill_minus_9_during_rl_resumes_without_repeating_a_step(pipeline, tmp_path):
-    root, _ = pipeline
-    copy = tmp_path / "runs"
+def kill_rl_then_rerun(root: Path, copy: Path) -> dict:
+    """RL in a copy of the pipeline's folders, killed -9 after its step-3 checkpoint and before the step-6 one,
+    then run again to the end."""
     for name in ("data", "base", "sft"):
         shutil.copytree(root / "tiny" / name, copy / "tiny" / name)
     extra = ["rl.max_steps=8", "rl.checkpoint_every=3"]
@@ -124,24 +125,23 @@ def test_kill_minus_9_during_rl_resumes_without_repeating_a_step(pipeline, tmp_p
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     metrics = copy / "tiny" / "rl" / "metrics.jsonl"
     deadline = time.time() + 300
-    while time.time() < deadline:  # kill after the step-3 checkpoint, before the step-6 one
+    while time.time() < deadline:
         if metrics.exists() and len(metrics.read_text().splitlines()) >= 4:
             break
         time.sleep(0.2)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    steps_before = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
-    assert 4 <= len(steps_before) < 8 and not (copy / "tiny" / "rl" / "DONE.json").exists()
+    before = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
+    done_before = (copy / "tiny" / "rl" / "DONE.json").exists()
     res = stage("rl", copy, *extra)
-    assert "resuming from" in res.stdout and "(step 3)" in res.stdout
-    steps = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
-    assert steps == list(range(1, 9))
-    assert (copy / "tiny" / "rl" / "DONE.json").exists()
+    return {"steps_before": before, "done_before": done_before, "stdout": res.stdout,
+            "steps": [json.loads(x)["step"] for x in metrics.read_text().splitlines()],
+            "done": (copy / "tiny" / "rl" / "DONE.json").exists()}
 
 
-def test_kill_minus_9_during_sft_resumes_from_its_last_checkpoint(pipeline, tmp_path):
-    root, _ = pipeline
-    copy = tmp_path / "runs"
+def kill_sft_then_rerun(root: Path, copy: Path) -> dict:
+    """SFT in a copy of the pipeline's folders, killed -9 once its step-20 checkpoint is written, then run again to
+    the end."""
     for name in ("data", "base"):
         shutil.copytree(root / "tiny" / name, copy / "tiny" / name)
     extra = ["sft.max_steps=40", "sft.save_steps=10", "sft.logging_steps=5"]
@@ -153,10 +153,35 @@ def test_kill_minus_9_during_sft_resumes_from_its_last_checkpoint(pipeline, tmp_
         time.sleep(0.2)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert ckpt.exists() and not (copy / "tiny" / "sft" / "DONE.json").exists()
+    killed_after_checkpoint = ckpt.exists() and not (copy / "tiny" / "sft" / "DONE.json").exists()
     res = stage("sft", copy, *extra)
-    assert "resuming from" in res.stdout
-    steps = [json.loads(x)["step"] for x in (copy / "tiny" / "sft" / "metrics.jsonl").read_text().splitlines()
-             if "loss" in json.loads(x)]
-    assert steps == sorted(set(steps)) and steps[-1] == 40
-    assert (copy / "tiny" / "sft" / "model" / "model.safetensors").exists()
+    records = [json.loads(x) for x in (copy / "tiny" / "sft" / "metrics.jsonl").read_text().splitlines()]
+    return {"killed_after_checkpoint": killed_after_checkpoint, "stdout": res.stdout,
+            "steps": [r["step"] for r in records if "loss" in r],
+            "model": (copy / "tiny" / "sft" / "model" / "model.safetensors").exists()}
+
+
+@pytest.fixture(scope="module")
+def killed(pipeline, tmp_path_factory):
+    """Both kill -9 runs at once, each in its own copy: each is mostly one process's start-up (imports, the SFT
+    rows' tokenization) on one core, so side by side they end about when the longer one alone would."""
+    root, _ = pipeline
+    with ThreadPoolExecutor(2) as pool:
+        rl = pool.submit(kill_rl_then_rerun, root, tmp_path_factory.mktemp("kill_rl") / "runs")
+        sft = pool.submit(kill_sft_then_rerun, root, tmp_path_factory.mktemp("kill_sft") / "runs")
+        return {"rl": rl.result(), "sft": sft.result()}
+
+
+def test_kill_minus_9_during_rl_resumes_without_repeating_a_step(killed):
+    rl = killed["rl"]
+    assert 4 <= len(rl["steps_before"]) < 8 and not rl["done_before"]
+    assert "resuming from" in rl["stdout"] and "(step 3)" in rl["stdout"]
+    assert rl["steps"] == list(range(1, 9)) and rl["done"]
+
+
+def test_kill_minus_9_during_sft_resumes_from_its_last_checkpoint(killed):
+    sft = killed["sft"]
+    assert sft["killed_after_checkpoint"]
+    assert "resuming from" in sft["stdout"]
+    assert sft["steps"] == sorted(set(sft["steps"])) and sft["steps"][-1] == 40
+    assert sft["model"]
