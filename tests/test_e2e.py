@@ -15,6 +15,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -115,22 +116,27 @@ def test_rl_metrics_have_one_record_per_step(pipeline):
     assert sum(r["staleness"].get("1", 0) for r in records) > 0
 
 
-def kill_rl_then_rerun(root: Path, copy: Path) -> dict:
-    """RL in a copy of the pipeline's folders, killed -9 after its step-3 checkpoint and before the step-6 one,
-    then run again to the end."""
-    for name in ("data", "base", "sft"):
-        shutil.copytree(root / "tiny" / name, copy / "tiny" / name)
-    extra = ["rl.max_steps=8", "rl.checkpoint_every=3"]
-    cmd = [sys.executable, "-m", "recipe.rl", f"run_root={copy}", *CI_ARGS, *extra]
+def run_then_kill(name: str, root: Path, copy: Path, upstream: tuple[str, ...], extra: list[str],
+                  ready: Callable[[], bool]) -> None:
+    """`python -m recipe.<name>` in a copy of the pipeline's upstream folders, killed -9 as soon as ready() holds
+    (polled every 0.2 s, 300 s at most)."""
+    for up in upstream:
+        shutil.copytree(root / "tiny" / up, copy / "tiny" / up)
+    cmd = [sys.executable, "-m", f"recipe.{name}", f"run_root={copy}", *CI_ARGS, *extra]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    metrics = copy / "tiny" / "rl" / "metrics.jsonl"
     deadline = time.time() + 300
-    while time.time() < deadline:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 4:
-            break
+    while time.time() < deadline and not ready():
         time.sleep(0.2)
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+
+
+def kill_rl_then_rerun(root: Path, copy: Path) -> dict:
+    """RL killed -9 after its step-3 checkpoint and before the step-6 one, then run again to the end."""
+    extra = ["rl.max_steps=8", "rl.checkpoint_every=3"]
+    metrics = copy / "tiny" / "rl" / "metrics.jsonl"
+    run_then_kill("rl", root, copy, ("data", "base", "sft"), extra,
+                  lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 4)
     before = [json.loads(x)["step"] for x in metrics.read_text().splitlines()]
     done_before = (copy / "tiny" / "rl" / "DONE.json").exists()
     res = stage("rl", copy, *extra)
@@ -140,19 +146,10 @@ def kill_rl_then_rerun(root: Path, copy: Path) -> dict:
 
 
 def kill_sft_then_rerun(root: Path, copy: Path) -> dict:
-    """SFT in a copy of the pipeline's folders, killed -9 once its step-20 checkpoint is written, then run again to
-    the end."""
-    for name in ("data", "base"):
-        shutil.copytree(root / "tiny" / name, copy / "tiny" / name)
+    """SFT killed -9 once its step-20 checkpoint is written, then run again to the end."""
     extra = ["sft.max_steps=40", "sft.save_steps=10", "sft.logging_steps=5"]
-    cmd = [sys.executable, "-m", "recipe.sft", f"run_root={copy}", *CI_ARGS, *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpt = copy / "tiny" / "sft" / "checkpoints" / "checkpoint-20" / "trainer_state.json"
-    deadline = time.time() + 300
-    while time.time() < deadline and not ckpt.exists():
-        time.sleep(0.2)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
+    run_then_kill("sft", root, copy, ("data", "base"), extra, ckpt.exists)
     killed_after_checkpoint = ckpt.exists() and not (copy / "tiny" / "sft" / "DONE.json").exists()
     res = stage("sft", copy, *extra)
     records = [json.loads(x) for x in (copy / "tiny" / "sft" / "metrics.jsonl").read_text().splitlines()]
